@@ -1,0 +1,162 @@
+"""``python -m helpers measure|summary|hardware|doctor``: the course's measurements from a shell."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad input in one line on stderr, exit code 2."""
+
+    def error(self, message: str):
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _measure(args) -> int:
+    from helpers.models import load_config
+    from helpers.results import save
+    from helpers.train import OPTIMIZERS, RunConfig, measure
+
+    if args.optimizer not in OPTIMIZERS:
+        return _fail(f"unknown optimizer {args.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+    if args.batch_size < 1 or args.seq_len < 1:
+        return _fail("--batch-size and --seq-len must be positive")
+    try:
+        config = load_config(args.model)
+    except Exception as err:  # missing file, bad JSON, unknown model type, no hub
+        return _fail(f"cannot read model config {args.model!r}: {type(err).__name__}: {err}")
+    if args.seq_len > getattr(config, "max_position_embeddings", args.seq_len):
+        return _fail(
+            f"--seq-len {args.seq_len} exceeds the config's max_position_embeddings "
+            f"({config.max_position_embeddings})"
+        )
+    cfg = RunConfig(
+        model=args.model,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        gradient_checkpointing=args.gradient_checkpointing,
+        attn=args.attn,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        device=args.device,
+    )
+    try:
+        record = measure(replace(cfg, flops=not args.no_flops))
+    except ValueError as err:  # a precision this device lacks, and similar checks
+        return _fail(str(err))
+    except RuntimeError as err:
+        if "bitsandbytes" in str(err):
+            return _fail(str(err))
+        raise
+    if args.save:
+        save(record, lesson="cli")
+    mem = record.memory
+    fields = ("params", "gradients", "optimizer_state", "activations", "temporaries", "peak")
+    summary = {"n_params": record.n_params, **{k: int(mem[k]) for k in fields}}
+    summary.update(
+        step_time_s=record.step_time,
+        samples_per_s=record.samples_per_s,
+        device=record.device["name"],
+        allocator_peak_allocated=(record.allocator or {}).get("allocated"),
+        allocator_peak_reserved=(record.allocator or {}).get("reserved"),
+        nvml_used=record.nvml_used,
+        mfu=record.mfu,
+    )
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for key, value in summary.items():
+            if isinstance(value, int) and key != "n_params":
+                value = f"{value:,} B ({value / 2**20:.1f} MiB)"
+            print(f"{key:>26}: {value}")
+    return 0
+
+
+def _summary(args) -> int:
+    import pandas as pd
+
+    from helpers.results import default_store, load, summary_table
+
+    path = args.results or default_store()
+    records = load(path)
+    if not records:
+        print(f"no experiments recorded in {path} yet: run the notebooks first")
+        return 0
+    with pd.option_context("display.max_rows", None, "display.width", 200):
+        print(f"{len(records)} records in {path}")
+        print(summary_table(records).to_string(index=False))
+    return 0
+
+
+def _hardware(args) -> int:
+    from helpers.hardware import hardware_report
+
+    print(json.dumps(hardware_report().as_dict(), indent=2, default=str))
+    return 0
+
+
+def _doctor(args) -> int:
+    """Check that the course's libraries import; say what is missing and how to get it."""
+    import importlib
+
+    needed = ["torch", "transformers", "accelerate", "datasets", "peft", "matplotlib", "pandas",
+              "pynvml", "nbval", "ipykernel", "jupyterlab"]  # fmt: skip
+    optional = ["bitsandbytes", "deepspeed"]
+    missing = []
+    for name in needed + optional:
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # ImportError, or a package that fails while importing
+            if name in needed:
+                missing.append(name)
+            print(f"{'missing' if name in needed else 'optional, missing'}: {name} ({err})")
+    if missing:
+        print(f"install what is missing, e.g. pip install {' '.join(missing)}")
+        return 1
+    print("all required packages import")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m helpers``."""
+    parser = _Parser(prog="python -m helpers", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    m = sub.add_parser("measure", help="train a few steps here and report bytes per category")
+    m.add_argument("--model", required=True, help="config JSON path, bundled name, or hub id")
+    m.add_argument("--batch-size", type=int, required=True)
+    m.add_argument("--seq-len", type=int, required=True)
+    m.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16", "fp16"])
+    m.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor | adamw8bit")
+    m.add_argument("--gradient-checkpointing", action="store_true")
+    m.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
+    m.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator)")
+    m.add_argument("--warmup", type=int, default=1)
+    m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--no-flops", action="store_true", help="skip the FLOP count (and MFU)")
+    m.add_argument("--save", action="store_true", help="append the record to the results store")
+    m.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
+    m.set_defaults(func=_measure)
+
+    s = sub.add_parser("summary", help="print the table of recorded experiments")
+    s.add_argument("--results", default=None, help="results store (default: $COURSE_RESULTS)")
+    s.set_defaults(func=_summary)
+
+    sub.add_parser("hardware", help="print the hardware report").set_defaults(func=_hardware)
+    sub.add_parser("doctor", help="check the course's packages").set_defaults(func=_doctor)
+
+    args = parser.parse_args(argv)
+    return args.func(args)

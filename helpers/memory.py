@@ -1,0 +1,204 @@
+"""Memory, three views.
+
+1. Exact bytes per category (parameters, gradients, optimizer state, activations,
+   temporaries), on any device, CPU included: PyTorch's own ``MemTracker``
+   (torch.distributed._tools.mem_tracker) sees every tensor storage created or freed and
+   labels it. We extend it in ``CategoryTracker`` where it falls short for this course.
+2. The CUDA caching allocator's peaks: ``allocated`` (bytes in live tensors) and
+   ``reserved`` (bytes the allocator holds from the driver, cached blocks included).
+3. The whole device as NVML / nvidia-smi sees it, the CUDA context included
+   (``helpers.hardware.nvml_used_bytes``).
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+# Our category names for MemTracker's reference types.
+CATEGORY = {
+    _MemRefType.PARAM: "params",
+    _MemRefType.BUFFER: "buffers",
+    _MemRefType.GRAD: "gradients",
+    _MemRefType.OPT: "optimizer_state",
+    _MemRefType.ACT: "activations",
+    _MemRefType.TEMP: "temporaries",
+    _MemRefType.OTH: "inputs",  # tensors registered with track_external: the batch
+}
+CATEGORIES = tuple(CATEGORY.values())
+_CASTS = (torch.ops.aten._to_copy.default,)
+
+
+@dataclass
+class CategoryPeaks:
+    """Each category's own largest size during the tracked region, and the largest total."""
+
+    params: int = 0
+    buffers: int = 0
+    gradients: int = 0
+    optimizer_state: int = 0
+    activations: int = 0
+    temporaries: int = 0
+    inputs: int = 0
+    weight_copies: int = 0  # part of temporaries: the largest total of live autocast weight casts
+    peak: int = 0  # largest sum of everything tracked at one moment (<= sum of the above)
+    peak_at: dict | None = None  # the categories at the moment of that largest sum
+
+    def as_dict(self) -> dict:
+        """Plain dict for records and JSON."""
+        return asdict(self)
+
+
+class CategoryTracker(MemTracker):
+    """``MemTracker`` plus what this course needs from it.
+
+    MemTracker stops short for us in three ways, so we extend it here:
+    - it keeps only the breakdown at the moment of the total peak; the course reports each
+      category's own maximum (gradients peak after backward, activations inside it);
+    - it labels the 16-bit weight copies that autocast makes as activations (they are created
+      during forward); they are transient working copies, so we count them as temporaries;
+    - it labels every tensor created inside ``optimizer.step()`` as optimizer state, including
+      the step's scratch buffers (foreach AdamW allocates several parameter-sized lists); we
+      count those as temporaries, and MemTracker's post-step hook still relabels the real state
+      (exp_avg, exp_avg_sq, ...) as optimizer state, so that category is the state alone;
+    - it has no budget: with ``budget`` set, growing past it raises ``torch.OutOfMemoryError``
+      like a full GPU would, so "does it fit in 16 GB?" behaves the same on a laptop.
+    """
+
+    def __init__(self, budget: int | None = None) -> None:
+        super().__init__()
+        self.budget = budget
+        self.maxima = dict.fromkeys(CATEGORIES, 0)
+        self.max_total = 0
+        self.max_snapshot: dict[str, int] = {}
+        self._force_temp = False
+        self._copies_live = 0
+        self.copies_max = 0
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        if u_type.name == "ADD" and self._force_temp:
+            winfo.course_weight_copy = True  # remembered so its release is subtracted below
+            self._copies_live += winfo.mem_consumed
+            self.copies_max = max(self.copies_max, self._copies_live)
+        elif u_type.name == "DEL" and getattr(winfo, "course_weight_copy", False):
+            self._copies_live -= winfo.mem_consumed
+        snap = self._curr_mem_snap.get(winfo.device)
+        if snap is None:
+            return
+        for reftype, name in CATEGORY.items():
+            self.maxima[name] = max(self.maxima[name], snap[reftype])
+        total = snap["Total"]
+        if total > self.max_total:
+            self.max_total = total
+            self.max_snapshot = {CATEGORY[k]: v for k, v in snap.items() if k in CATEGORY}
+        if self.budget is not None and total > self.budget and u_type.name in ("ADD", "SIZE"):
+            held = ", ".join(f"{n} {v / 2**20:.1f} MiB" for n, v in self._named(snap).items() if v)
+            raise torch.OutOfMemoryError(
+                f"memory budget exceeded: this step needs more than the {self.budget / 2**20:.1f} "
+                f"MiB budget ({winfo.mem_consumed / 2**20:.2f} MiB requested with {held} held). "
+                "Use a smaller batch, gradient accumulation, checkpointing or 16-bit, or raise "
+                "the budget."
+            )
+
+    @staticmethod
+    def _named(snap: dict) -> dict[str, int]:
+        return {CATEGORY[k]: v for k, v in snap.items() if k in CATEGORY}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # A cast of a parameter inside forward is autocast's working copy: count it as temporary.
+        if func in _CASTS and args and isinstance(args[0], torch.nn.Parameter):
+            self._force_temp = True
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._force_temp = False
+
+    def _track(self, reftype, t: torch.Tensor) -> None:
+        # Only __torch_dispatch__ calls _track, so OPT here means "allocated during step()".
+        if self._force_temp or reftype == _MemRefType.OPT:
+            reftype = _MemRefType.TEMP
+        super()._track(reftype, t)
+
+    def __enter__(self):
+        # MemTracker's module hooks warn on every backward through a module that was freed;
+        # they are harmless and would bury a learner's output.
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.filterwarnings("ignore", message="Module is None")
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        try:
+            return super().__exit__(*args)
+        finally:
+            self._warnings.__exit__(None, None, None)
+
+    def peaks(self) -> CategoryPeaks:
+        """The per-category maxima and the largest total seen so far."""
+        return CategoryPeaks(
+            **self.maxima,
+            weight_copies=self.copies_max,
+            peak=self.max_total,
+            peak_at=dict(self.max_snapshot),
+        )
+
+
+def reset_device_peaks(device: torch.device) -> None:
+    """Free cached blocks and reset the allocator's peak counters (accelerate's recipe)."""
+    gc.collect()
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+        torch.accelerator.empty_cache()
+        torch.accelerator.reset_peak_memory_stats(device)
+
+
+@dataclass
+class AllocatorPeaks:
+    """View 2: the caching allocator's peaks since the last reset, in bytes."""
+
+    allocated: int
+    reserved: int
+
+
+def allocator_peaks(device: torch.device) -> AllocatorPeaks | None:
+    """Allocated and reserved peaks on an accelerator; None on the CPU (no caching allocator)."""
+    if device.type == "cpu":
+        return None
+    torch.accelerator.synchronize(device)
+    return AllocatorPeaks(
+        allocated=int(torch.accelerator.max_memory_allocated(device)),
+        reserved=int(torch.accelerator.max_memory_reserved(device)),
+    )
+
+
+@contextmanager
+def memory_budget(nbytes: int, *tracked, device: torch.device | None = None):
+    """Pretend the device has ``nbytes``: past it, allocations raise ``torch.OutOfMemoryError``.
+
+    On CUDA the caching allocator is capped (``set_per_process_memory_fraction``); the cap
+    counts everything this process reserves on the GPU but not the CUDA context. Elsewhere a
+    ``CategoryTracker`` counts the tensors of ``tracked`` (modules, optimizers, tensors) plus
+    everything created inside the block, and is yielded so its peaks can be read.
+    """
+    from helpers.scale import default_device
+
+    device = device or default_device()
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), device)
+        try:
+            yield None
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            reset_device_peaks(device)
+        return
+    tracker = CategoryTracker(budget=nbytes)
+    tracker.track_external(*tracked)
+    with tracker:
+        yield tracker

@@ -1,0 +1,72 @@
+"""Models built from transformers configs, locally: random weights cost the same memory and time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+# Encoder families train sequence classification; everything else trains a causal LM.
+ENCODER_TYPES = {"bert", "roberta", "distilbert", "electra", "albert", "deberta", "deberta-v2",
+                 "xlm-roberta", "modernbert"}  # fmt: skip
+
+
+def load_config(spec: str | Path | dict) -> PretrainedConfig:
+    """A transformers config from a bundled name, JSON path, dict, or (with a hub) a model id."""
+    from helpers.scale import config_path
+
+    if isinstance(spec, dict):
+        data = dict(spec)
+    else:
+        path = Path(spec)
+        if not path.suffix and not path.exists():
+            try:
+                path = config_path(str(spec))
+            except FileNotFoundError:
+                # Not bundled: a hub id. Only works where a hub is reachable (never in CI).
+                return AutoConfig.from_pretrained(str(spec))
+        data = json.loads(path.read_text())
+    if "model_type" not in data:
+        raise ValueError(f"config {spec} has no 'model_type': is it a transformers config.json?")
+    return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+def task_kind(config: PretrainedConfig) -> str:
+    """``classify`` for encoder configs, ``causal-lm`` for decoders (MoE included)."""
+    return "classify" if config.model_type in ENCODER_TYPES else "causal-lm"
+
+
+def build_model(
+    config: PretrainedConfig,
+    attn: str = "eager",
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    dropout: float | None = None,
+) -> torch.nn.Module:
+    """A randomly initialised model for the config's task, in fp32, on ``device``.
+
+    ``attn`` is the attention implementation (``eager`` or ``sdpa``); ``dropout`` overrides
+    the config's dropout rates (0.0 makes runs deterministic for gradient comparisons).
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = config.__class__.from_dict(config.to_dict())  # never mutate the caller's config
+    if dropout is not None:
+        for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout"):
+            if hasattr(config, key):
+                setattr(config, key, dropout)
+    torch.manual_seed(seed)
+    auto = (
+        AutoModelForSequenceClassification
+        if task_kind(config) == "classify"
+        else AutoModelForCausalLM
+    )
+    model = auto.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    return model.to(device)
+
+
+def count_params(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

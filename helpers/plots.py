@@ -1,0 +1,91 @@
+"""Plots that return a matplotlib Figure; nothing is shown or saved as a side effect.
+
+Figures are built with ``matplotlib.figure.Figure`` rather than pyplot, so no global figure
+state is touched. In a notebook, ``%matplotlib inline`` makes a returned figure display.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from matplotlib.figure import Figure
+
+MiB = 2**20
+# One colour per memory category, used by every lesson so the categories read the same.
+CATEGORY_COLORS = {
+    "params": "#4C72B0",
+    "gradients": "#55A868",
+    "optimizer_state": "#C44E52",
+    "activations": "#8172B2",
+    "temporaries": "#CCB974",
+    "buffers": "#64B5CD",
+    "inputs": "#999999",
+}
+
+
+def memory_bars(
+    memories: Mapping[str, Mapping[str, int]],
+    categories: Sequence[str] = ("params", "gradients", "optimizer_state", "activations"),
+    title: str = "",
+    peaks: bool = True,
+) -> Figure:
+    """Stacked bars of per-category bytes (MiB) for each labelled run, the measured peak as a dot.
+
+    The stack adds each category's own maximum, so it can exceed the peak: categories reach
+    their maxima at different moments of the step (the dot shows the real simultaneous peak).
+    """
+    fig = Figure(figsize=(max(5, 1.1 * len(memories) + 2), 4), layout="constrained")
+    ax = fig.add_subplot()
+    labels = list(memories)
+    bottoms = [0.0] * len(labels)
+    for cat in categories:
+        values = [memories[lab].get(cat, 0) / MiB for lab in labels]
+        ax.bar(labels, values, bottom=bottoms, label=cat, color=CATEGORY_COLORS.get(cat))
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    if peaks:
+        ax.plot(labels, [memories[lab].get("peak", 0) / MiB for lab in labels], "ko", label="peak")
+    ax.set_ylabel("MiB (exact, per category)")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    ax.tick_params(axis="x", labelrotation=20)
+    return fig
+
+
+def lines(
+    x: Sequence[float],
+    series: Mapping[str, Sequence[float]],
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    logx: bool = False,
+    logy: bool = False,
+    hlines: Mapping[str, float] | None = None,
+) -> Figure:
+    """One line per series against ``x``; optional labelled horizontal reference lines."""
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.add_subplot()
+    for name, ys in series.items():
+        ax.plot(x, ys, marker="o", label=name)
+    for name, y in (hlines or {}).items():
+        ax.axhline(y, linestyle="--", color="grey", linewidth=1)
+        ax.annotate(name, (x[0], y), textcoords="offset points", xytext=(0, 3), fontsize="small")
+    ax.set_xscale("log" if logx else "linear")
+    ax.set_yscale("log" if logy else "linear")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def bars(values: Mapping[str, float], ylabel: str, title: str = "", fmt: str = "{:.3g}") -> Figure:
+    """Labelled bars with their values written on top."""
+    fig = Figure(figsize=(max(4, 1.0 * len(values) + 2), 3.5), layout="constrained")
+    ax = fig.add_subplot()
+    rects = ax.bar(list(values), list(values.values()), color="#4C72B0")
+    ax.bar_label(rects, labels=[fmt.format(v) for v in values.values()], fontsize="small")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.tick_params(axis="x", labelrotation=20)
+    return fig

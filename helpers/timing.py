@@ -1,0 +1,161 @@
+"""Timing done right: warm up, synchronise the device, take the median; throughput and MFU."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until the device has finished the queued work (a no-op on the CPU)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+@dataclass
+class Timing:
+    """Seconds per call: the median of ``times`` (warm-up calls excluded)."""
+
+    median: float
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median: how noisy the repeats were."""
+        return (max(self.times) - min(self.times)) / self.median if self.median else 0.0
+
+
+def time_fn(
+    fn: Callable[[], object], device: torch.device, warmup: int = 1, repeats: int = 5
+) -> Timing:
+    """Median wall time of ``fn()`` after ``warmup`` calls, synchronising before and after each."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return Timing(statistics.median(times), times)
+
+
+def train_flops(step: Callable[[], object]) -> int:
+    """FLOPs of one call of ``step`` as torch's FlopCounterMode counts them (matmuls, attention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    return int(counter.get_total_flops())
+
+
+# Dense peak tensor-core throughput per GPU, TFLOP/s, from NVIDIA's data sheets (no sparsity).
+# bf16/fp16 with fp32 accumulation; "tf32" is the tensor-float-32 rate, "fp32" the plain FMA rate.
+# Longest matching key wins, so "H100 PCIe" is found before "H100".
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0},
+    "H100 SXM": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0},
+    "H100 80GB HBM3": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
+    "V100": {"fp16": 125.0, "fp32": 15.7},  # SXM2; the PCIe card is about 10% lower
+    "T4": {"fp16": 65.0, "fp32": 8.1},
+}
+
+
+def peak_tflops(device_name: str, precision: str) -> float | None:
+    """Data-sheet peak TFLOP/s for this GPU and precision; None when either is not listed."""
+    matches = [k for k in PEAK_TFLOPS if k.lower() in device_name.lower()]
+    if not matches:
+        return None
+    table = PEAK_TFLOPS[max(matches, key=len)]
+    return table.get(precision)
+
+
+def mfu(flops_per_step: int, seconds_per_step: float, device_name: str, precision: str):
+    """Model FLOPs utilisation: achieved FLOP/s over the data-sheet peak; None if peak unknown."""
+    peak = peak_tflops(device_name, precision)
+    if peak is None or seconds_per_step <= 0:
+        return None
+    return flops_per_step / seconds_per_step / (peak * 1e12)
+
+
+# The three groups of operations in a transformer (seed 004, after Ivanov et al. 2020,
+# "Data Movement Is All You Need"): contractions, statistical normalisations, element-wise.
+_CONTRACTIONS = re.compile(
+    r"^(mm|bmm|addmm|addbmm|baddbmm|matmul|linear|einsum|conv\w*|\w*scaled_dot_product\w*"
+    r"|\w*flash\w*|\w*efficient_attention\w*)$"
+)
+_NORMALISATIONS = re.compile(r"\w*(layer_norm|rms_norm|batch_norm|group_norm|softmax|nll_loss)\w*")
+OP_CLASSES = ("contractions", "normalisations", "element-wise")
+
+
+def op_class(name: str) -> str:
+    """Which of the three groups an aten operator belongs to (``aten::addmm`` -> contractions)."""
+    base = name.removeprefix("aten::").strip("_")
+    if _CONTRACTIONS.fullmatch(base):
+        return "contractions"
+    if _NORMALISATIONS.fullmatch(base):
+        return "normalisations"
+    return "element-wise"
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2 (C++ code writes there directly), restoring it afterwards.
+
+    The profiler's tracing library prints start/stop lines there; in a notebook they would
+    appear under every profiled cell and read like errors.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def op_self_times(fn: Callable[[], object], device: torch.device) -> dict[str, float]:
+    """Seconds of self-time per aten operator for one call of ``fn``, from torch.profiler.
+
+    Self-time (time in the operator minus its children) so nested calls are not counted
+    twice; on an accelerator the device time of the kernels is used.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with _quiet_stderr(), profile(activities=activities) as prof:
+        fn()
+        synchronize(device)
+    out = {}
+    for evt in prof.key_averages():
+        if evt.key.startswith("aten::"):
+            us = evt.self_device_time_total if device.type == "cuda" else evt.self_cpu_time_total
+            out[evt.key] = us / 1e6
+    return out
+
+
+def by_op_class(op_seconds: dict[str, float]) -> dict[str, float]:
+    """Sum per-operator numbers into the three classes."""
+    out = dict.fromkeys(OP_CLASSES, 0.0)
+    for name, value in op_seconds.items():
+        out[op_class(name)] += value
+    return out

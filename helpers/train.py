@@ -1,0 +1,295 @@
+"""One training step, configurable the ways the course varies it, and its measurement."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from helpers.data import MarkovTask, markov_batch, random_batch
+from helpers.hardware import hardware_report, nvml_used_bytes, precision_problem
+from helpers.memory import CategoryTracker, allocator_peaks, memory_budget, reset_device_peaks
+from helpers.models import build_model, count_params, load_config, task_kind
+from helpers.results import Record
+from helpers.scale import default_device
+from helpers.timing import mfu, synchronize, time_fn, train_flops
+
+OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+ATTENTION = ("eager", "sdpa")
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines one measured training run."""
+
+    model: str = "bert-tiny"  # bundled config name, config JSON path, or hub id
+    batch_size: int = 4
+    seq_len: int = 64
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    gradient_checkpointing: bool = False
+    attn: str = "eager"
+    grad_accum: int = 1  # micro-batches of ``batch_size`` per optimizer step
+    data: str = "random"  # random | markov (the learnable task)
+    warmup: int = 1
+    repeats: int = 3
+    device: str | None = None  # None: helpers.scale.default_device()
+    budget: int | None = None  # bytes: raise OutOfMemoryError past it (see memory_budget)
+    seed: int = 0
+    flops: bool = True  # count FLOPs of a step (one extra step) for MFU
+    label: str = ""  # a short name for tables and plots
+
+    def as_dict(self) -> dict:
+        """Plain dict for records and JSON."""
+        return asdict(self)
+
+
+def make_optimizer(name: str, model: torch.nn.Module, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """The optimizer by course name: adamw, sgd (momentum 0.9), adafactor, adamw8bit."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adafactor":
+        # torch's Adafactor keeps no first moment and factors the second moment of every
+        # matrix into a row and a column vector (Shazeer & Stern, 2018).
+        return torch.optim.Adafactor(params, lr=lr)
+    if name == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError as err:
+            raise RuntimeError(
+                "adamw8bit needs bitsandbytes: pip install bitsandbytes (or pick adamw)"
+            ) from err
+        # As the Trainer does: embeddings keep 32-bit state, because quantising the state of
+        # rarely-updated, widely-ranging embedding rows hurts training (bitsandbytes docs).
+        manager = bnb.optim.GlobalOptimManager.get_instance()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                manager.register_module_override(module, "weight", {"optim_bits": 32})
+        return bnb.optim.AdamW8bit(params, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}: use one of {', '.join(OPTIMIZERS)}")
+
+
+def autocast_context(precision: str, device: torch.device):
+    """autocast for bf16/fp16; nothing for fp32/tf32 (tf32 is a matmul setting, see set_tf32)."""
+    if precision in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        return torch.autocast(device.type, dtype=dtype)
+    return contextlib.nullcontext()
+
+
+def set_tf32(enabled: bool) -> None:
+    """Let fp32 matmuls and convolutions use tf32 tensor cores (Ampere and newer)."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+class Trainee:
+    """A model, optimizer and data source wired into ``step()``, built from a RunConfig."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.device = torch.device(cfg.device) if cfg.device else default_device()
+        problem = precision_problem(cfg.precision, self.device)
+        if problem:
+            raise ValueError(problem)
+        if cfg.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {cfg.optimizer!r}: use one of {OPTIMIZERS}")
+        if cfg.attn not in ATTENTION:
+            raise ValueError(f"unknown attention {cfg.attn!r}: use one of {ATTENTION}")
+        self.config = load_config(cfg.model)
+        self.kind = task_kind(self.config)
+        self.model = build_model(self.config, cfg.attn, self.device, cfg.seed)
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable({"use_reentrant": False})
+        self.model.train()
+        self.n_params = count_params(self.model)
+        self.optimizer = make_optimizer(cfg.optimizer, self.model)
+        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "fp16" else None
+        set_tf32(cfg.precision == "tf32")
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.task = MarkovTask(n_states=min(64, self.config.vocab_size), seed=cfg.seed)
+        self.losses: list[float] = []
+        self._fixed = None
+
+    def batch(self) -> dict[str, torch.Tensor]:
+        """The next micro-batch on the device: fresh task data, or one fixed random batch."""
+        c = self.cfg
+        if c.data == "markov":
+            data = markov_batch(self.task, self.kind, c.batch_size, c.seq_len, self.generator)
+        else:
+            if self._fixed is None:
+                self._fixed = random_batch(
+                    self.kind, c.batch_size, c.seq_len, self.config.vocab_size, seed=c.seed
+                )
+            data = self._fixed
+        return {k: v.to(self.device, non_blocking=True) for k, v in data.items()}
+
+    def step(self) -> float:
+        """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss."""
+        c, total = self.cfg, 0.0
+        for _ in range(c.grad_accum):
+            batch = self.batch()
+            with autocast_context(c.precision, self.device):
+                loss = self.model(**batch).loss / c.grad_accum
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += loss.detach()
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.losses.append(float(total))
+        return self.losses[-1]
+
+
+def measure(cfg: RunConfig) -> Record:
+    """Run ``cfg`` on this machine: per-category bytes of a steady-state step, timing, all views."""
+    device = torch.device(cfg.device) if cfg.device else default_device()
+    if cfg.budget and device.type == "cuda":
+        # On a GPU the budget caps the caching allocator for the whole run; on other devices
+        # the tracked step below enforces it.
+        with memory_budget(cfg.budget, device=device):
+            return _measure(cfg)
+    return _measure(cfg)
+
+
+def _measure(cfg: RunConfig) -> Record:
+    t0 = time.perf_counter()
+    trainee = Trainee(cfg)
+    device = trainee.device
+    for _ in range(max(1, cfg.warmup)):  # the first step creates the optimizer state
+        trainee.step()
+    # View 1: exact bytes per category for one steady-state step (the tracker slows the step
+    # down, so it is timed separately below).
+    tracker = CategoryTracker(budget=cfg.budget if device.type != "cuda" else None)
+    tracker.track_external(trainee.model, trainee.optimizer)
+    with tracker:
+        trainee.step()
+    categories = tracker.peaks()
+    del tracker
+    # Views 2 and 3 and the timing: untracked steps after a reset of the allocator's peaks.
+    reset_device_peaks(device)
+    timing = time_fn(trainee.step, device, warmup=0, repeats=cfg.repeats)
+    allocator = allocator_peaks(device)
+    nvml = nvml_used_bytes(device)
+    samples = cfg.batch_size * cfg.grad_accum
+    report = hardware_report(device)
+    step_flops = train_flops(trainee.step) if cfg.flops else None
+    synchronize(device)
+    util = None
+    if step_flops and device.type == "cuda":
+        util = mfu(step_flops, timing.median, report.name, cfg.precision)
+    return Record(
+        config=cfg.as_dict(),
+        device=report.as_dict(),
+        n_params=trainee.n_params,
+        memory=categories.as_dict(),
+        allocator=asdict(allocator) if allocator else None,
+        nvml_used=nvml,
+        step_time=timing.median,
+        step_times=timing.times,
+        samples_per_s=samples / timing.median,
+        tokens_per_s=samples * cfg.seq_len / timing.median,
+        flops_per_step=step_flops,
+        mfu=util,
+        losses=trainee.losses,
+        wall_s=time.perf_counter() - t0,
+    )
+
+
+@dataclass
+class TrainResult:
+    """Loss curve of a convergence run on the learnable task."""
+
+    losses: list[float] = field(default_factory=list)
+    best_loss: float = 0.0  # the task's entropy rate (causal LM)
+    uniform_loss: float = 0.0  # log(n_states): a model that learnt nothing
+
+
+def train_markov(cfg: RunConfig, steps: int) -> TrainResult:
+    """Train ``cfg`` on the learnable Markov task for ``steps`` optimizer steps."""
+    from dataclasses import replace
+
+    trainee = Trainee(replace(cfg, data="markov"))
+    for _ in range(steps):
+        trainee.step()
+    return TrainResult(trainee.losses, trainee.task.entropy_rate, trainee.task.uniform_loss)
+
+
+@dataclass
+class ForwardBackward:
+    """Forward and backward of one micro-batch, apart: FLOPs, median seconds, time by op class."""
+
+    forward_flops: int
+    backward_flops: int
+    forward_s: float
+    backward_s: float
+    forward_ops: dict[str, float]  # self-time per aten operator in one forward
+    backward_ops: dict[str, float]  # the same for one backward (forward+backward minus forward)
+    op_flops: dict[str, int]  # forward + backward FLOPs per op class
+
+
+def forward_backward(cfg: RunConfig) -> ForwardBackward:
+    """Split a training step: forward and backward FLOPs (counted) and times (measured)."""
+    import statistics
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from helpers.timing import op_class, op_self_times
+
+    trainee = Trainee(cfg)
+    device, model, batch = trainee.device, trainee.model, trainee.batch()
+
+    def forward():
+        with autocast_context(cfg.precision, device):
+            return model(**batch).loss
+
+    def both():
+        model.zero_grad(set_to_none=True)
+        forward().backward()
+
+    def class_flops(counter: FlopCounterMode) -> dict[str, int]:
+        out = dict.fromkeys(("contractions", "normalisations", "element-wise"), 0)
+        for op, n in counter.get_flop_counts()["Global"].items():  # keys like aten.mm
+            out[op_class(str(op).removeprefix("aten.").split(".")[0])] += n
+        return out
+
+    fwd_counter, bwd_counter = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    with fwd_counter:
+        loss = forward()
+    with bwd_counter:
+        loss.backward()
+    fwd_classes, bwd_classes = class_flops(fwd_counter), class_flops(bwd_counter)
+    # Time forward and backward within the same iteration, so that drift in the machine's
+    # speed (other processes, clock changes) affects both alike; medians over the repeats.
+    fwd_times, bwd_times = [], []
+    for i in range(cfg.warmup + cfg.repeats):
+        model.zero_grad(set_to_none=True)
+        synchronize(device)
+        t0 = time.perf_counter()
+        loss = forward()
+        synchronize(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        synchronize(device)
+        if i >= cfg.warmup:
+            fwd_times.append(t1 - t0)
+            bwd_times.append(time.perf_counter() - t1)
+    fwd_ops = op_self_times(forward, device)
+    all_ops = op_self_times(both, device)
+    return ForwardBackward(
+        forward_flops=fwd_counter.get_total_flops(),
+        backward_flops=bwd_counter.get_total_flops(),
+        forward_s=statistics.median(fwd_times),
+        backward_s=statistics.median(bwd_times),
+        forward_ops=fwd_ops,
+        backward_ops={k: max(0.0, v - fwd_ops.get(k, 0.0)) for k, v in all_ops.items()},
+        op_flops={k: fwd_classes[k] + bwd_classes[k] for k in fwd_classes},
+    )

@@ -1,0 +1,83 @@
+"""``python -m helpers measure``: JSON on the last stdout line, exit code 2 on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.cli import main
+from helpers.scale import config_path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COURSE_DEVICE": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-m", "helpers", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_measure_json_encoder_from_config_path():
+    out = cli("measure", "--model", str(config_path("bert-tiny")), "--batch-size", "2",
+              "--seq-len", "32", "--json", "--no-flops")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    keys = ("n_params", "params", "gradients", "optimizer_state", "activations", "peak")
+    assert all(isinstance(data[k], int) for k in keys)
+    assert data["params"] == 4 * data["n_params"]
+    assert data["gradients"] == data["params"]
+    assert data["peak"] >= data["params"] + data["optimizer_state"]
+
+
+def test_measure_json_decoder_sgd():
+    out = cli("measure", "--model", "llama-tiny", "--batch-size", "2", "--seq-len", "32",
+              "--optimizer", "sgd", "--json", "--no-flops")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    assert data["optimizer_state"] == 4 * data["n_params"]  # momentum only
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--optimizer", "lion"],  # unknown optimizer
+        ["--precision", "fp8"],  # unknown precision
+        ["--precision", "tf32"],  # a precision this CPU cannot do
+        ["--model", "/nonexistent/config.json"],  # unreadable config
+        ["--seq-len", "100000"],  # longer than the model's positions
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(args, capsys, monkeypatch):
+    # In-process (the same main() the module runs) to keep the suite fast; the subprocess
+    # test below checks the real exit code once.
+    monkeypatch.setenv("COURSE_DEVICE", "cpu")
+    base = {"--model": "bert-tiny", "--batch-size": "2", "--seq-len": "32"}
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        base[flag] = value
+    argv = ["measure", "--json", "--no-flops"] + [x for kv in base.items() for x in kv]
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+
+
+def test_bad_json_config_is_exit_2_from_a_shell(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    out = cli("measure", "--model", str(bad), "--batch-size", "2", "--seq-len", "8", "--json")
+    assert out.returncode == 2 and out.stderr.startswith("error: cannot read model config")
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr

@@ -1,0 +1,121 @@
+"""Per-category bytes are exact; the budget raises at the right point; failures come back."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers.isolate import run
+from helpers.memory import CategoryTracker, memory_budget
+from helpers.train import RunConfig, Trainee, measure
+
+ARCHS = ["bert-tiny", "llama-tiny"]  # an encoder (classification) and a decoder (causal LM)
+FP32 = 4
+
+
+def expected_state_bytes(optimizer: str, params: list[torch.nn.Parameter]) -> int:
+    """Optimizer-state bytes from each algorithm's definition, parameter by parameter."""
+    total = 0
+    for p in params:
+        if optimizer == "adamw":  # exp_avg + exp_avg_sq, and a 0-dim float32 step per tensor
+            total += 2 * FP32 * p.numel() + FP32
+        elif optimizer == "sgd":  # one momentum buffer, no step counter
+            total += FP32 * p.numel()
+        elif optimizer == "adafactor":  # factored second moment: one row and one column vector
+            if p.dim() >= 2:
+                *lead, r, c = p.shape
+                total += FP32 * math.prod(lead) * (r + c) + FP32
+            else:  # vectors keep their full second moment
+                total += FP32 * p.numel() + FP32
+    return total
+
+
+@pytest.fixture(scope="module")
+def records():
+    out = {}
+    for arch in ARCHS:
+        for opt in ["adamw", "sgd", "adafactor"]:
+            cfg = RunConfig(
+                model=arch, batch_size=2, seq_len=32, optimizer=opt, repeats=1, flops=False
+            )
+            out[arch, opt] = measure(cfg)
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("opt", ["adamw", "sgd", "adafactor"])
+def test_categories_are_exact(records, arch, opt):
+    rec = records[arch, opt]
+    trainee = Trainee(RunConfig(model=arch, optimizer=opt))
+    params = list(trainee.model.parameters())
+    assert rec.n_params == sum(p.numel() for p in params)
+    mem = rec.memory
+    assert mem["params"] == FP32 * rec.n_params  # fp32 weights: 4 B/param
+    assert mem["gradients"] == mem["params"]  # one fp32 gradient per weight
+    assert mem["optimizer_state"] == expected_state_bytes(opt, params)
+    assert mem["activations"] > 0
+    # The peak is a simultaneous total: at least the persistent state, at most the sum of maxima.
+    persistent = mem["params"] + mem["optimizer_state"] + mem["buffers"]
+    assert persistent < mem["peak"] <= sum(mem[k] for k in mem if k not in ("peak", "peak_at"))
+
+
+def test_activations_grow_with_batch_and_sequence():
+    def act(bs, s):
+        cfg = RunConfig(model="bert-tiny", batch_size=bs, seq_len=s, repeats=1, flops=False)
+        return measure(cfg).memory["activations"]
+
+    base = act(2, 32)
+    # Doubling either dimension roughly doubles activations (attention scores grow as s^2,
+    # so doubling s gives a bit more than double); never less than 1.6x.
+    assert 1.6 * base < act(4, 32) < 2.4 * base
+    assert 1.6 * base < act(2, 64) < 3.0 * base
+
+
+def test_autocast_weight_copies_are_temporaries_not_params():
+    cfg = RunConfig(
+        model="bert-tiny", batch_size=2, seq_len=32, precision="bf16", repeats=1, flops=False
+    )
+    rec = measure(cfg)
+    assert rec.memory["params"] == FP32 * rec.n_params
+    assert rec.memory["gradients"] == FP32 * rec.n_params
+
+
+def test_budget_raises_exactly_past_the_peak():
+    cfg = RunConfig(model="bert-tiny", batch_size=2, seq_len=32, repeats=1, flops=False)
+    peak = measure(cfg).memory["peak"]
+    # The same steady-state step fits a budget of exactly its peak ...
+    assert measure(RunConfig(**{**cfg.as_dict(), "budget": peak})).ok
+    # ... and one byte less raises, as a full GPU would.
+    with pytest.raises(torch.OutOfMemoryError, match="budget"):
+        measure(RunConfig(**{**cfg.as_dict(), "budget": peak - 1}))
+
+
+def test_budget_context_refuses_a_model_that_does_not_fit():
+    model = torch.nn.Linear(256, 256)  # 257 KiB of fp32 weights
+    with pytest.raises(torch.OutOfMemoryError):
+        with memory_budget(100 * 1024, model, device=torch.device("cpu")):
+            pass
+    with memory_budget(10 * 2**20, model, device=torch.device("cpu")) as tracker:
+        model(torch.randn(8, 256)).sum().backward()
+    assert isinstance(tracker, CategoryTracker)
+    assert tracker.peaks().gradients == 4 * (256 * 256 + 256)
+
+
+def test_isolation_returns_oom_record_instead_of_crashing():
+    cfg = RunConfig(model="bert-tiny", batch_size=2, seq_len=32, repeats=1, budget=2**20)
+    rec = run(cfg)
+    assert not rec.ok and rec.oom
+    assert "OutOfMemoryError" in rec.error
+    ok = run(RunConfig(model="bert-tiny", batch_size=2, seq_len=32, repeats=1, flops=False))
+    assert ok.ok and ok.memory["params"] == FP32 * ok.n_params
+
+
+def test_isolation_reports_a_dead_process():
+    import os
+
+    from helpers.isolate import call_isolated
+
+    outcome = call_isolated(os._exit, 3)
+    assert outcome.error_type == "crash" and "exit code 3" in outcome.error

@@ -1,0 +1,226 @@
+"""The repository's own promises: one set of pins, clean notebooks, CI runs make test."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+ALLOWED_TAGS = {"nbval-check-output", "nbval-skip", "nbval-ignore-output", "raises-exception"}
+ALLOWED_NOTEBOOK_METADATA = {"kernelspec", "language_info"}
+
+
+# --------------------------------------------------------------------------------------------
+# (a) pyproject.toml, environment.yml and binder/requirements.txt pin the same packages
+
+
+def _pins(lines: list[str], source: str) -> dict[str, str]:
+    """Map PEP 503 name -> public version for ``name==version`` lines; reject anything looser."""
+    pins: dict[str, str] = {}
+    for line in lines:
+        req = Requirement(line)
+        specs = list(req.specifier)
+        assert len(specs) == 1 and specs[0].operator == "==", f"{source}: {line!r} is not an == pin"
+        name = canonicalize_name(req.name)
+        assert name not in pins, f"{source}: {req.name} is listed twice"
+        pins[name] = Version(specs[0].version).public  # strips a local label such as +cpu
+    return pins
+
+
+def _pyproject() -> dict:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def pyproject_pins() -> dict[str, str]:
+    project = _pyproject()["project"]
+    lines = list(project["dependencies"])
+    for extra in project.get("optional-dependencies", {}).values():
+        lines.extend(extra)
+    return _pins(lines, "pyproject.toml")
+
+
+def _environment_yml() -> dict:
+    yaml = pytest.importorskip("yaml")  # PyYAML comes with transformers, datasets, accelerate
+    with open(ROOT / "environment.yml", encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def environment_pip_lines() -> list[str]:
+    for dep in _environment_yml()["dependencies"]:
+        if isinstance(dep, dict) and "pip" in dep:
+            return [str(item) for item in dep["pip"]]
+    raise AssertionError("environment.yml has no pip: section")
+
+
+def binder_lines() -> list[str]:
+    text = (ROOT / "binder" / "requirements.txt").read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_pyproject_pins_everything_exactly():
+    pins = pyproject_pins()
+    for name in (
+        "torch",
+        "transformers",
+        "accelerate",
+        "datasets",
+        "bitsandbytes",
+        "deepspeed",
+        "peft",
+        "matplotlib",
+        "nvidia-ml-py",
+        "jupyterlab",
+        "nbval",
+        "pytest",
+        "ruff",
+    ):
+        assert name in pins, f"pyproject.toml does not pin {name}"
+
+
+def test_environment_yml_matches_pyproject():
+    env = _environment_yml()
+    assert env["name"] == "single-gpu-course"
+    assert env["channels"] == ["conda-forge"]
+    conda_deps = [dep for dep in env["dependencies"] if isinstance(dep, str)]
+    assert "pip" in conda_deps
+    assert any(re.fullmatch(r"python\s*=\s*3\.11", dep) for dep in conda_deps), conda_deps
+    lines = environment_pip_lines()
+    assert "-e ." in lines, "environment.yml must install the checkout itself with '-e .'"
+    pins = _pins([line for line in lines if not line.startswith("-")], "environment.yml")
+    assert pins == pyproject_pins()
+
+
+def test_binder_matches_pyproject():
+    lines = binder_lines()
+    assert lines[0] == "--extra-index-url https://download.pytorch.org/whl/cpu", (
+        "binder/requirements.txt must take torch from the CPU index: Binder has no GPU and ~2 GB"
+    )
+    requirements = [line for line in lines if not line.startswith("-")]
+    torch_line = next(
+        line for line in requirements if canonicalize_name(Requirement(line).name) == "torch"
+    )
+    assert torch_line.endswith("+cpu"), torch_line
+    assert _pins(requirements, "binder/requirements.txt") == pyproject_pins()
+
+
+def test_binder_runtime_and_postbuild():
+    assert (ROOT / "binder" / "runtime.txt").read_text().strip() == "python-3.11"
+    post_build = ROOT / "binder" / "postBuild"
+    assert "pip install --no-deps -e ." in post_build.read_text()
+    assert os.access(post_build, os.X_OK), "binder/postBuild must be executable"
+
+
+# --------------------------------------------------------------------------------------------
+# (b) notebooks are committed clean
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_is_committed_clean(path: Path):
+    nbformat = pytest.importorskip("nbformat")
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    assert raw.get("nbformat") == 4, "not an nbformat 4 notebook"
+    nb = nbformat.reads(path.read_text(encoding="utf-8"), as_version=nbformat.NO_CONVERT)
+    nbformat.validate(nb)
+
+    fix = "run `make format` (tools/clean_notebooks.py)"
+    extra = set(raw.get("metadata", {})) - ALLOWED_NOTEBOOK_METADATA
+    assert not extra, f"notebook metadata has {sorted(extra)}: {fix}"
+    ids = [cell.get("id") for cell in raw["cells"]]
+    duplicates = sorted({i for i in ids if i is not None and ids.count(i) > 1})
+    assert not duplicates, f"duplicate cell ids {duplicates}: {fix}"
+    for index, cell in enumerate(raw["cells"]):
+        where = f"cell {index} ({cell['cell_type']})"
+        if cell["cell_type"] == "code":
+            assert cell.get("outputs") == [], f"{where} has outputs: {fix}"
+            assert cell.get("execution_count") is None, f"{where} has an execution count: {fix}"
+        metadata = cell.get("metadata", {})
+        assert set(metadata) <= {"tags"}, f"{where} has metadata {sorted(metadata)}: {fix}"
+        bad_tags = set(metadata.get("tags", [])) - ALLOWED_TAGS
+        assert not bad_tags, f"{where} has tags {sorted(bad_tags)}; allowed: {sorted(ALLOWED_TAGS)}"
+
+
+def test_notebooks_are_numbered_lessons():
+    for path in NOTEBOOKS:
+        assert re.fullmatch(r"\d\d_[A-Za-z0-9_-]+\.ipynb", path.name), (
+            f"{path.name}: lessons are named NN_name.ipynb"
+        )
+    numbers = [path.name[:2] for path in NOTEBOOKS]
+    assert len(numbers) == len(set(numbers)), f"two lessons share a number: {numbers}"
+
+
+def test_clean_notebooks_tool_agrees(tmp_path: Path):
+    """tools/clean_notebooks.py turns a dirty notebook into one this file accepts."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import clean_notebooks
+    finally:
+        sys.path.pop(0)
+    dirty = {
+        "nbformat": 4,
+        "nbformat_minor": 4,
+        "metadata": {
+            "widgets": {},
+            "kernelspec": {"name": "python3", "display_name": "P", "language": "python"},
+        },
+        "cells": [
+            {
+                "cell_type": "markdown",
+                "id": "a",
+                "metadata": {"collapsed": True},
+                "source": "# Title\ntext",
+            },
+            {
+                "cell_type": "code",
+                "id": "a",
+                "execution_count": 3,
+                "metadata": {"tags": ["nbval-skip", "mine"], "scrolled": True},
+                "outputs": [{"output_type": "stream", "name": "stdout", "text": "hi\n"}],
+                "source": ["print('hi')"],
+            },
+        ],
+    }
+    path = tmp_path / "00_dirty.ipynb"
+    path.write_text(json.dumps(dirty))
+    assert clean_notebooks.main(["--check", str(path)]) == 1
+    assert clean_notebooks.main([str(path)]) == 0
+    assert clean_notebooks.main(["--check", str(path)]) == 0
+    test_notebook_is_committed_clean(path)
+    cleaned = json.loads(path.read_text())
+    assert cleaned["cells"][1]["metadata"] == {"tags": ["nbval-skip"]}
+    assert cleaned["cells"][0]["source"] == ["# Title\n", "text"]
+
+
+# --------------------------------------------------------------------------------------------
+# (c) CI runs exactly what a contributor runs
+
+
+def test_ci_runs_make_test():
+    ci = ROOT / ".ci" / "run"
+    commands = [
+        line.strip()
+        for line in ci.read_text().splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    ]
+    assert "make test" in commands, commands
+
+
+def test_makefile_has_the_documented_targets():
+    text = (ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][a-z-]*)\s*:(?!=)", text, flags=re.M))
+    for target in ("test", "course", "lab", "lint", "format", "clean", "install"):
+        assert target in targets, f"Makefile has no {target!r} target"
