@@ -93,8 +93,21 @@ def run(cfg, isolate: bool = True):
         try:
             return measure(cfg)
         except torch.OutOfMemoryError as err:
-            return Record(cfg.as_dict(), error=f"OutOfMemoryError: {err}", error_type="oom")
-    outcome = call_isolated(measure, cfg)
+            outcome = Outcome(error=f"OutOfMemoryError: {err}", error_type="oom")
+    else:
+        outcome = call_isolated(measure, cfg)
     if outcome.error:
-        return Record(cfg.as_dict(), error=outcome.error, error_type=outcome.error_type)
+        # The run died before it could describe its device: name it here, so tables show it.
+        device = {"name": _device_name(cfg.device)}
+        return Record(cfg.as_dict(), device, error=outcome.error, error_type=outcome.error_type)
     return outcome.value
+
+
+def _device_name(device: str | None) -> str:
+    from helpers.hardware import cpu_name
+    from helpers.scale import default_device
+
+    # Not torch.cuda.get_device_name: that would create a CUDA context in this (notebook)
+    # process, and its memory would then show up in every later NVML reading.
+    dev = torch.device(device) if device else default_device()
+    return cpu_name() if dev.type == "cpu" else str(dev)
