@@ -1,0 +1,106 @@
+"""Mixture of experts: a sparse Mixtral-style model next to the dense model of equal active width.
+
+The bundled pairs (``mixtral-tiny`` / ``mixtral-tiny-dense``, ``mixtral-500m`` /
+``mixtral-500m-dense``) share everything but the feed-forward block: the sparse one has E
+experts of width I and routes each token to k of them; the dense one has one FFN of width
+k*I. Per token both do the same FFN arithmetic, but the sparse one stores E/k times the FFN
+weights.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from helpers.models import build_model, load_config
+
+PAIRS = {
+    "tiny": ("mixtral-tiny", "mixtral-tiny-dense"),
+    "full": ("mixtral-500m", "mixtral-500m-dense"),
+}
+
+
+def pair_for(scale_name: str) -> tuple[str, str]:
+    """(sparse, dense) bundled config names for a scale."""
+    return PAIRS[scale_name]
+
+
+def ffn_params(model: torch.nn.Module) -> int:
+    """Parameters of the feed-forward blocks: experts (and router) or the dense MLP."""
+    return sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if ".mlp." in name or ".block_sparse_moe." in name
+    )
+
+
+@dataclass
+class FlopCount:
+    """FLOPs of one forward+backward per token, and their split."""
+
+    per_token: float
+    ffn_per_token: float  # the experts' or the dense MLP's share
+    router_per_token: float
+
+
+def train_flops_per_token(name: str, batch: int, seq_len: int) -> FlopCount:
+    """Count forward+backward FLOPs per token with torch's FlopCounterMode.
+
+    Experts run with transformers' "eager" implementation (a loop over experts, each a plain
+    matmul on its own tokens), which the counter sees op by op; the faster default
+    ("grouped_mm") is a single fused call that the counter does not attribute.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(name)
+    extra = {"experts_implementation": "eager"} if hasattr(config, "num_local_experts") else {}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, **extra)
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len))  # (B, S)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    by_module = {mod: sum(ops.values()) for mod, ops in counter.get_flop_counts().items()}
+    ffn = sum(n for mod, n in by_module.items() if re.fullmatch(r".*\.layers\.\d+\.mlp", mod))
+    router = sum(
+        n for mod, n in by_module.items() if re.fullmatch(r".*\.layers\.\d+\.mlp\.gate", mod)
+    )
+    tokens = batch * seq_len
+    return FlopCount(counter.get_total_flops() / tokens, ffn / tokens, router / tokens)
+
+
+@dataclass
+class RouterLoad:
+    """Share of top-k assignments each expert received, per layer, and the aux loss."""
+
+    shares: list[list[float]]  # [layer][expert], each layer sums to 1
+    aux_loss: float  # Switch-Transformer balancing loss as transformers computes it
+    balanced_aux_loss: float  # its value under perfectly uniform routing
+    top_k: int
+    tokens: int
+
+
+def router_load(name: str, batch: int, seq_len: int, seed: int = 0) -> RouterLoad:
+    """Route one batch of random tokens through a sparse model and count assignments."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    config = load_config(name)
+    model = build_model(config, seed=seed).eval()
+    ids = torch.randint(
+        0, config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed)
+    )
+    with torch.no_grad():
+        out = model(input_ids=ids, output_router_logits=True)
+    k, n_exp = config.num_experts_per_tok, config.num_local_experts
+    shares = []
+    for logits in out.router_logits:  # (tokens, experts) per layer
+        chosen = torch.topk(logits.softmax(-1), k, dim=-1).indices  # (tokens, k)
+        counts = torch.bincount(chosen.reshape(-1), minlength=n_exp).double()
+        shares.append((counts / counts.sum()).tolist())
+    aux = load_balancing_loss_func(out.router_logits, n_exp, k)
+    # Uniform routing: each expert gets k/E of the tokens and 1/E of the probability, so the
+    # loss E * sum_e f_e * P_e equals E * E * (k/E) * (1/E) = k.
+    return RouterLoad(shares, float(aux), float(k), k, batch * seq_len)
