@@ -119,6 +119,16 @@ class CategoryTracker(MemTracker):
         finally:
             self._force_temp = False
 
+    def _pre_fw_hook(self, module, inputs) -> None:
+        # MemTracker refuses a second top-level forward of a module in one tracked region
+        # (gradient accumulation runs several). We read only the category totals, never its
+        # per-module statistics, so we clear those at each new top-level forward instead.
+        if not self._mod_tracker.is_bw and module in self.memory_tracking:
+            name = self._mod_tracker.get_known_fqn(module)
+            if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                self.reset_mod_stats()
+        super()._pre_fw_hook(module, inputs)
+
     def _track(self, reftype, t: torch.Tensor) -> None:
         # Only __torch_dispatch__ calls _track, so OPT here means "allocated during step()".
         if self._force_temp or reftype == _MemRefType.OPT:
