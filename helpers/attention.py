@@ -1,0 +1,312 @@
+"""Attention written by hand, HF's eager version and PyTorch's SDPA backends, measured alike.
+
+Every implementation takes queries, keys and values shaped (batch, heads, seq, head_dim) and
+returns the attention output in that shape, so that memory, time and results compare directly.
+The measuring functions build their own inputs from sizes, so they can run in a fresh process
+(``helpers.isolate.call_isolated``) without shipping tensors across.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from functools import partial
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# The SDPA backends by the names the lesson uses. cuDNN's kernel exists on recent NVIDIA GPUs.
+BACKENDS = {
+    "sdpa-math": SDPBackend.MATH,
+    "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "sdpa-flash": SDPBackend.FLASH_ATTENTION,
+    "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+}
+IMPLEMENTATIONS = ("manual", "hf-eager", *BACKENDS)
+DTYPES = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp64": torch.float64,
+}
+
+
+def manual_attention(q, k, v, causal: bool = True) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d)) V, one PyTorch operation at a time."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (b, h, s, s): the big one
+    if causal:  # a query may look at itself and earlier positions only
+        s_q, s_k = scores.shape[-2:]
+        future = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def hf_eager_attention(q, k, v, causal: bool = True) -> torch.Tensor:
+    """transformers' own eager attention (the Llama one), with the additive mask HF builds."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    mask = None
+    if causal:  # HF adds a float mask: 0 where allowed, the dtype's minimum where not
+        s_q, s_k = q.shape[-2], k.shape[-2]
+        mask = torch.full((s_q, s_k), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device)
+        mask = mask.triu(1)[None, None]
+    module = SimpleNamespace(num_key_value_groups=1, training=True)
+    out, _weights = eager_attention_forward(module, q, k, v, mask, scaling=q.shape[-1] ** -0.5)
+    return out.transpose(1, 2)  # HF returns (b, s, h, d) for the output projection
+
+
+def sdpa_attention(q, k, v, backend: str = "sdpa-flash", causal: bool = True) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` restricted to one backend (RuntimeError if it cannot)."""
+    with sdpa_kernel([BACKENDS[backend]]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def attend(name: str, q, k, v, causal: bool = True) -> torch.Tensor:
+    """The attention output of implementation ``name`` (one of IMPLEMENTATIONS)."""
+    if name == "manual":
+        return manual_attention(q, k, v, causal)
+    if name == "hf-eager":
+        return hf_eager_attention(q, k, v, causal)
+    if name in BACKENDS:
+        return sdpa_attention(q, k, v, name, causal)
+    raise ValueError(f"unknown attention {name!r}: use one of {', '.join(IMPLEMENTATIONS)}")
+
+
+def make_qkv(
+    batch: int,
+    heads: int,
+    seq: int,
+    head_dim: int,
+    dtype=torch.float32,
+    device="cpu",
+    seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """Random leaf q, k, v (requires_grad) and an output gradient, all (b, h, s, d)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch, heads, seq, head_dim)
+    tensors = [torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(4)]
+    for t in tensors[:3]:
+        t.requires_grad_(True)
+    return tuple(tensors)
+
+
+def backend_problem(name: str, device="cpu", dtype=torch.float32, head_dim: int = 64):
+    """None if ``name`` runs forward+backward here with this dtype, else why not (one line)."""
+    q, k, v, grad = make_qkv(1, 2, 128, head_dim, dtype, device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            attend(name, q, k, v).backward(grad)
+        except RuntimeError as err:
+            # SDPA warns with the reasons a kernel was refused, then raises a generic error.
+            reasons = [
+                str(w.message).splitlines()[0] for w in caught if "not used" in str(w.message)
+            ]
+            first = str(err).strip().splitlines()[0]
+            return "; ".join([first, *reasons[:2]])
+    return None
+
+
+def attention_dtype(device) -> torch.dtype:
+    """fp32 on CPU (its flash kernel takes fp32); bf16, else fp16, on GPUs (flash needs 16-bit)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def layer_memory(
+    name: str,
+    batch: int,
+    heads: int,
+    seq: int,
+    head_dim: int,
+    dtype: str = "fp32",
+    device: str = "cpu",
+) -> dict:
+    """Exact bytes of one attention forward+backward (CategoryTracker); for call_isolated."""
+    from helpers.memory import CategoryTracker, allocator_peaks, reset_device_peaks
+
+    device = torch.device(device)
+    q, k, v, grad = make_qkv(batch, heads, seq, head_dim, DTYPES[dtype], device)
+    inputs = sum(t.numel() * t.element_size() for t in (q, k, v, grad))
+    reset_device_peaks(device)
+    tracker = CategoryTracker()
+    with tracker:
+        out = attend(name, q, k, v)
+        out.backward(grad)
+        del out
+    peaks = tracker.peaks()
+    alloc = allocator_peaks(device)
+    return {
+        "peak": peaks.peak,  # everything created inside: saved tensors, scratch, the gradients
+        "activations": peaks.activations,  # created in forward (saved for backward or scratch)
+        "temporaries": peaks.temporaries,  # created in backward, q/k/v gradients included
+        "inputs": inputs,  # q, k, v and the output gradient, made before tracking
+        "allocator": None if alloc is None else alloc.allocated,  # everything, kernels' own too
+    }
+
+
+def _forward_backward(name: str, q, k, v, grad) -> None:
+    """One forward and backward of the attention, the inputs' gradients reset first."""
+    q.grad = k.grad = v.grad = None
+    attend(name, q, k, v).backward(grad)
+
+
+def layer_times(
+    name: str,
+    batch: int,
+    heads: int,
+    seqs: list[int],
+    head_dim: int,
+    dtype: str = "fp32",
+    device: str = "cpu",
+    warmup: int = 1,
+    repeats: int = 3,
+) -> list[float]:
+    """Median seconds of forward+backward for each sequence length (helpers.timing.time_fn)."""
+    from helpers.timing import time_fn
+
+    device = torch.device(device)
+    medians = []
+    for seq in seqs:
+        q, k, v, grad = make_qkv(batch, heads, seq, head_dim, DTYPES[dtype], device)
+        step = partial(_forward_backward, name, q, k, v, grad)
+        medians.append(time_fn(step, device, warmup=warmup, repeats=repeats).median)
+    return medians
+
+
+def layer_profile(
+    name: str,
+    batch: int,
+    heads: int,
+    seqs: list[int],
+    head_dim: int,
+    dtype: str = "fp32",
+    device: str = "cpu",
+    warmup: int = 1,
+    repeats: int = 3,
+) -> dict:
+    """Memory (``layer_memory``) and median time (``layer_times``) for each sequence length.
+
+    One call per implementation through ``call_isolated``: a fresh tracker per length makes
+    each memory number exact on its own, and the timings never share a process with another
+    implementation's cached buffers.
+    """
+    memory = [layer_memory(name, batch, heads, s, head_dim, dtype, device) for s in seqs]
+    times = layer_times(name, batch, heads, seqs, head_dim, dtype, device, warmup, repeats)
+    return {"memory": memory, "time": times}
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records the name of every aten operator that reaches the dispatcher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def attention_ops(fn) -> list[str]:
+    """The attention-related aten operators ``fn()`` runs, in first-call order (no repeats).
+
+    ``scaled_dot_product_attention`` is a front door: the dispatcher sees the kernel it
+    chose (``_scaled_dot_product_flash_attention_for_cpu``, ``_efficient_attention_forward``
+    ...) or, for the math backend, plain matmuls and a softmax.
+    """
+    recorder = _OpRecorder()
+    with recorder:
+        fn()
+    wanted = ("attention", "softmax", "bmm", "matmul")
+    return list(dict.fromkeys(n for n in recorder.names if any(w in n for w in wanted)))
+
+
+def output_errors(
+    names,
+    seq: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device="cpu",
+    heads: int = 4,
+    causal: bool = True,
+) -> dict:
+    """Largest |output - exact| per implementation, exact = fp64 attention of the same inputs.
+
+    The inputs are rounded to ``dtype`` first and the reference is computed from those
+    rounded values, so the errors are the implementations' own arithmetic, nothing else.
+    Also returns ``max|v|``: no output element can exceed it (a softmax average of values).
+    """
+    q, k, v, _ = make_qkv(1, heads, seq, head_dim, dtype, device, seed=1)
+    with torch.no_grad():
+        exact = manual_attention(*(t.double().cpu() for t in (q, k, v)), causal=causal)
+        errors = {}
+        for name in names:
+            out = attend(name, q, k, v, causal).double().cpu()
+            errors[name] = (out - exact).abs().max().item()
+    return {"errors": errors, "max_v": v.abs().max().item()}
+
+
+def power_law_exponent(xs, ys) -> float:
+    """Exponent p of y ~ c x^p: the slope of a straight-line fit on log-log axes."""
+    return float(np.polyfit(np.log(np.asarray(xs, float)), np.log(np.asarray(ys, float)), 1)[0])
+
+
+def flash_attn_2_problem(device) -> str | None:
+    """None when transformers can use the flash-attn package here, else why not."""
+    from transformers.utils import is_flash_attn_2_available
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"flash_attention_2 needs an NVIDIA GPU; this is {device.type}"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "flash_attention_2 needs compute capability 8.0+ (Ampere or newer)"
+    if not is_flash_attn_2_available():
+        return "the flash-attn package is not installed (pip install flash-attn)"
+    return None
+
+
+def measure_any_attention(cfg):
+    """``helpers.train.measure`` that also accepts ``attn="flash_attention_2"``.
+
+    helpers.train validates ``cfg.attn`` against its ATTENTION tuple (eager, sdpa); this
+    extends that tuple in the calling process only, so call it through ``call_isolated``.
+    """
+    from helpers import train
+
+    if cfg.attn not in train.ATTENTION:
+        train.ATTENTION = (*train.ATTENTION, cfg.attn)
+    return train.measure(cfg)
+
+
+def power_law_figure(xs, series: dict, ylabel: str, title: str = ""):
+    """Log-log lines against sequence length, with dashed guides of slope 1 and 2."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.5, 4), layout="constrained")
+    ax = fig.add_subplot()
+    for name, ys in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    xs = np.asarray(xs, float)
+    firsts = [ys[0] for ys in series.values()]
+    # Guides start at the first point of the highest and the lowest series.
+    guides = ((2, max(firsts), "--", "∝ s² guide"), (1, min(firsts), ":", "∝ s guide"))
+    for slope, start, style, text in guides:
+        guide = start * (xs / xs[0]) ** slope
+        ax.plot(xs, guide, linestyle=style, color="grey", linewidth=1.2, label=text)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [str(int(x)) for x in xs])
+    ax.minorticks_off()
+    ax.set_xlabel("sequence length s")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    return fig

@@ -1,0 +1,71 @@
+"""Attention implementations agree; eager memory is quadratic in s, the flash kernel's linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.attention import (
+    IMPLEMENTATIONS,
+    attend,
+    attention_ops,
+    backend_problem,
+    layer_memory,
+    make_qkv,
+    output_errors,
+    power_law_exponent,
+)
+
+EAGER = ["manual", "hf-eager", "sdpa-math"]
+
+
+def test_eager_versions_match_sdpa():
+    q, k, v, _ = make_qkv(2, 3, 40, 16)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for name in EAGER:
+        torch.testing.assert_close(attend(name, q, k, v), expected, atol=1e-5, rtol=1e-5)
+    no_mask = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(attend("manual", q, k, v, causal=False), no_mask)
+
+
+def test_output_errors_are_small_in_fp32():
+    found = output_errors(EAGER, seq=64, head_dim=16, dtype=torch.float32, heads=2)
+    assert set(found["errors"]) == set(EAGER)
+    for err in found["errors"].values():
+        assert err < 16 * torch.finfo(torch.float32).eps * found["max_v"]
+
+
+def test_math_backend_always_runs_and_unknown_names_fail():
+    assert backend_problem("sdpa-math", head_dim=16) is None
+    with pytest.raises(ValueError, match="unknown attention"):
+        attend("nope", *make_qkv(1, 1, 4, 4)[:3])
+
+
+def test_cpu_flash_kernel_is_what_sdpa_picks():
+    if backend_problem("sdpa-flash", head_dim=16) is not None:
+        pytest.skip("this torch build has no flash kernel for the CPU")
+    q, k, v, _ = make_qkv(1, 2, 32, 16)
+    ops = attention_ops(lambda: attend("sdpa-flash", q, k, v))
+    assert any("flash" in op for op in ops), ops
+    assert "bmm" in attention_ops(lambda: attend("manual", q, k, v))
+
+
+def test_memory_quadratic_for_eager_linear_for_flash():
+    seqs = [64, 128, 256]
+    manual = [layer_memory("manual", 1, 2, s, 8)["peak"] for s in seqs]
+    assert power_law_exponent(seqs, manual) > 1.7
+    # The saved probabilities alone are b*h*s^2 fp32 numbers.
+    assert manual[-1] > 2 * 256 * 256 * 4
+    if backend_problem("sdpa-flash", head_dim=8) is None:
+        flash = [layer_memory("sdpa-flash", 1, 2, s, 8)["peak"] for s in seqs]
+        assert power_law_exponent(seqs, flash) < 1.3
+
+
+def test_power_law_exponent_recovers_known_slopes():
+    xs = [1, 2, 4, 8]
+    assert power_law_exponent(xs, [3 * x**2 for x in xs]) == pytest.approx(2.0)
+    assert power_law_exponent(xs, [5 * x for x in xs]) == pytest.approx(1.0)
+
+
+def test_implementations_listed():
+    assert IMPLEMENTATIONS[:2] == ("manual", "hf-eager")
