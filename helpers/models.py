@@ -70,3 +70,16 @@ def build_model(
 def count_params(model: torch.nn.Module, trainable_only: bool = False) -> int:
     """Number of distinct parameters (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Turn on transformers' activation (gradient) checkpointing, non-reentrant.
+
+    transformers 5 renamed ``gradient_checkpointing_enable`` to
+    ``activation_checkpointing_enable`` (the old name warns and goes in v6); use whichever
+    this version has.
+    """
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is None:
+        enable = model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})

@@ -11,7 +11,7 @@ import torch
 from helpers.data import MarkovTask, markov_batch, random_batch
 from helpers.hardware import hardware_report, nvml_used_bytes, precision_problem
 from helpers.memory import CategoryTracker, allocator_peaks, memory_budget, reset_device_peaks
-from helpers.models import build_model, count_params, load_config, task_kind
+from helpers.models import build_model, count_params, enable_checkpointing, load_config, task_kind
 from helpers.results import Record
 from helpers.scale import default_device
 from helpers.timing import mfu, synchronize, time_fn, train_flops
@@ -106,7 +106,7 @@ class Trainee:
         self.kind = task_kind(self.config)
         self.model = build_model(self.config, cfg.attn, self.device, cfg.seed)
         if cfg.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable({"use_reentrant": False})
+            enable_checkpointing(self.model)
         self.model.train()
         self.n_params = count_params(self.model)
         self.optimizer = make_optimizer(cfg.optimizer, self.model)

@@ -1,0 +1,216 @@
+"""The course's combination as a hand-written training loop on Hugging Face Accelerate.
+
+Micro-batches with gradient accumulation, gradient checkpointing, 16-bit autocast and an
+8-bit optimizer, written once with ``Accelerator``. The same function runs in a notebook
+(one process), as ``python scripts/train_accelerate.py`` and, unchanged, under
+``accelerate launch`` on several processes or GPUs: Accelerate decides the device, wraps the
+model for data parallelism and shards the data loader.
+
+``trainer_run`` trains the same configuration with the ``Trainer`` so the two can be
+compared: same model, data, micro-batch, accumulation, precision, optimizer and clipping.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+from helpers.data import MarkovTask, markov_dataset
+from helpers.memory import CategoryTracker
+from helpers.models import build_model, enable_checkpointing, load_config, task_kind
+from helpers.train import make_optimizer
+
+
+@dataclass
+class LoopConfig:
+    """One training run of the combination (names follow TrainingArguments where they exist)."""
+
+    model: str = "bert-tiny"
+    per_device_train_batch_size: int = 1
+    gradient_accumulation_steps: int = 4
+    seq_len: int = 64
+    mixed_precision: str = "bf16"  # "no" | "fp16" | "bf16" (Accelerator's names)
+    gradient_checkpointing: bool = True
+    optimizer: str = "adamw8bit"  # helpers.train.make_optimizer names
+    max_steps: int = 3  # optimizer steps
+    track_step: int = 1  # which optimizer step's memory to track (0-based; after state exists)
+    max_grad_norm: float = 1.0
+    learning_rate: float = 1e-3
+    seed: int = 0
+    cpu: bool = False  # force the CPU even where an accelerator exists
+
+
+@dataclass
+class LoopResult:
+    """Loss per optimizer step, the tracked step's exact memory, timing, and who ran it."""
+
+    losses: list[float] = field(default_factory=list)
+    memory: dict | None = None  # helpers.memory.CategoryPeaks of the tracked optimizer step
+    step_times: list[float] = field(default_factory=list)
+    n_params: int = 0
+    device: str = ""
+    num_processes: int = 1
+    process_index: int = 0
+    mixed_precision: str = "no"
+
+    @property
+    def step_time(self) -> float:
+        """Median seconds per optimizer step, the tracked step excluded."""
+        return statistics.median(self.step_times) if self.step_times else float("nan")
+
+
+def _dataset(cfg: LoopConfig, kind: str, n: int):
+    return markov_dataset(MarkovTask(seed=cfg.seed), kind, n=n, seq_len=cfg.seq_len, seed=cfg.seed)
+
+
+def train_loop(cfg: LoopConfig) -> LoopResult:
+    """Train ``cfg`` with a hand-written Accelerate loop; track one optimizer step's memory."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+
+    accelerator = Accelerator(
+        mixed_precision=cfg.mixed_precision,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        cpu=cfg.cpu,
+    )
+    set_seed(cfg.seed)
+    config = load_config(cfg.model)
+    model = build_model(config, seed=cfg.seed)
+    if cfg.gradient_checkpointing:
+        enable_checkpointing(model)
+    optimizer = make_optimizer(cfg.optimizer, model, lr=cfg.learning_rate)
+    micro_batches = cfg.max_steps * cfg.gradient_accumulation_steps * accelerator.num_processes
+    data = _dataset(cfg, task_kind(config), micro_batches * cfg.per_device_train_batch_size)
+    loader = DataLoader(data, batch_size=cfg.per_device_train_batch_size)
+    # prepare() moves everything to the device, wraps the model for DDP when several
+    # processes run, shards the loader across them and wraps the optimizer so that its
+    # step() only acts at the end of an accumulation window.
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    model.train()
+
+    result = LoopResult(
+        n_params=sum(p.numel() for p in model.parameters()),
+        device=str(accelerator.device),
+        num_processes=accelerator.num_processes,
+        process_index=accelerator.process_index,
+        mixed_precision=accelerator.mixed_precision,
+    )
+    batches = iter(loader)
+    for step in range(cfg.max_steps):
+        tracker = None
+        if step == cfg.track_step:
+            tracker = CategoryTracker()
+            tracker.track_external(accelerator.unwrap_model(model), optimizer.optimizer)
+            tracker.__enter__()
+        start = time.perf_counter()
+        total = 0.0
+        for _ in range(cfg.gradient_accumulation_steps):
+            batch = next(batches)
+            # accumulate(): no gradient sync between processes and no optimizer step until
+            # the last micro-batch of the window; backward() scales the loss by 1/steps and
+            # applies the fp16 loss scaler when there is one.
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.max_grad_norm:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            total += loss.detach().float().item() / cfg.gradient_accumulation_steps
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+            result.memory = tracker.peaks().as_dict()
+        else:
+            result.step_times.append(time.perf_counter() - start)
+        result.losses.append(total)
+    accelerator.end_training()
+    return result
+
+
+def trainer_run(cfg: LoopConfig) -> LoopResult:
+    """Train the same configuration with ``Trainer``; track the same optimizer step."""
+    import os
+    import tempfile
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    config = load_config(cfg.model)
+    model = build_model(config, seed=cfg.seed)
+    data = _dataset(cfg, task_kind(config), cfg.max_steps * cfg.gradient_accumulation_steps)
+    optim = {"adamw8bit": "adamw_bnb_8bit", "adamw": "adamw_torch", "sgd": "sgd",
+             "adafactor": "adafactor"}[cfg.optimizer]  # fmt: skip
+    result = LoopResult(n_params=sum(p.numel() for p in model.parameters()))
+
+    class TrackStep(TrainerCallback):
+        """Track one optimizer step (all its micro-batches) with the course's tracker."""
+
+        def __init__(self):
+            self.tracker, self.start = None, 0.0
+
+        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kw):
+            self.start = time.perf_counter()
+            if state.global_step == cfg.track_step:
+                self.tracker = CategoryTracker()
+                inner = getattr(optimizer, "optimizer", optimizer)
+                self.tracker.track_external(model, inner)
+                self.tracker.__enter__()
+
+        def on_step_end(self, args, state, control, **kw):
+            if self.tracker is not None:
+                self.tracker.__exit__(None, None, None)
+                result.memory = self.tracker.peaks().as_dict()
+                self.tracker = None
+            else:
+                result.step_times.append(time.perf_counter() - self.start)
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=os.path.join(out, "trainer"),
+            per_device_train_batch_size=cfg.per_device_train_batch_size,
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            activation_checkpointing=cfg.gradient_checkpointing,  # was gradient_checkpointing
+            activation_checkpointing_kwargs={"use_reentrant": False},
+            bf16=cfg.mixed_precision == "bf16",
+            fp16=cfg.mixed_precision == "fp16",
+            optim=optim,
+            learning_rate=cfg.learning_rate,
+            max_grad_norm=cfg.max_grad_norm,
+            max_steps=cfg.max_steps,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.0,
+            use_cpu=cfg.cpu,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            dataloader_num_workers=0,
+            seed=cfg.seed,
+            disable_tqdm=True,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[TrackStep()])
+        trainer.train()
+    result.losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    result.device = str(trainer.args.device)
+    result.mixed_precision = cfg.mixed_precision
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: ``accelerate launch scripts/train_accelerate.py [--options]``."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    defaults = LoopConfig()
+    for name, value in asdict(defaults).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        else:
+            parser.add_argument(flag, type=type(value), default=value)
+    cfg = LoopConfig(**vars(parser.parse_args(argv)))
+    result = train_loop(cfg)
+    print(json.dumps({**asdict(result), "step_time": result.step_time}, default=str))
+    return 0
