@@ -138,6 +138,12 @@ def trainer_run(cfg: LoopConfig) -> LoopResult:
 
     config = load_config(cfg.model)
     model = build_model(config, seed=cfg.seed)
+    if task_kind(config) == "classify":
+        # transformers 5.23: BERT's classification head declares **kwargs, so the Trainer
+        # assumes it normalises by num_items_in_batch and skips dividing the loss by the
+        # accumulation steps, but the head ignores the count: gradients come out k times too
+        # large (huggingface/transformers#47688; lesson 03 measures it). Opt out explicitly.
+        model.accepts_loss_kwargs = False
     data = _dataset(cfg, task_kind(config), cfg.max_steps * cfg.gradient_accumulation_steps)
     optim = {"adamw8bit": "adamw_bnb_8bit", "adamw": "adamw_torch", "sgd": "sgd",
              "adafactor": "adafactor"}[cfg.optimizer]  # fmt: skip
