@@ -79,6 +79,7 @@ def enable_checkpointing(model: torch.nn.Module) -> None:
     ``activation_checkpointing_enable`` (the old name warns and goes in v6); use whichever
     this version has.
     """
+    model.config.use_cache = False  # training never uses the KV cache; checkpointing forbids it
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is None:
         enable = model.gradient_checkpointing_enable

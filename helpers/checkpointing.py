@@ -1,0 +1,197 @@
+"""Activation (gradient) checkpointing: a plain-PyTorch block stack, its memory, paired timing."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
+
+from helpers.memory import CategoryTracker
+from helpers.models import enable_checkpointing  # noqa: F401  (re-exported for the lesson)
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP block x + drop(fc2(gelu(fc1(norm(x))))), like a transformer's FFN."""
+
+    def __init__(self, width: int, expansion: int = 1, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, expansion * width)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(expansion * width, width)
+        self.drop = nn.Dropout(dropout)
+        self.calls = 0  # forward calls, to see the recomputation happen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x + self.drop(self.fc2(self.act(self.fc1(self.norm(x)))))
+
+
+def block_stack(
+    n_blocks: int, width: int, expansion: int = 1, dropout: float = 0.0, seed: int = 0
+) -> nn.Sequential:
+    """``n_blocks`` Blocks in an nn.Sequential, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*(Block(width, expansion, dropout) for _ in range(n_blocks)))
+
+
+def saved_bytes_per_block(rows: int, width: int, expansion: int = 1) -> tuple[int, int]:
+    """(boundary, inside) bytes in fp32: one block's input, and what its backward saves besides it.
+
+    Inside a Block, backward needs: LayerNorm's output (the input of fc1), fc1's output (GELU's
+    input), GELU's output (fc2's input), and LayerNorm's mean and 1/std per row. The residual
+    addition and the dropout with p=0 save nothing.
+    """
+    c = 4 * rows * width
+    return c, 4 * rows * (width + 2 * expansion * width + 2)
+
+
+def predicted_activation_bytes(
+    n_blocks: int, segments: int, rows: int, width: int, expansion: int = 1
+) -> int:
+    """Activation bytes at the peak of ``stack_step_memory``, by arithmetic.
+
+    ``checkpoint_sequential`` checkpoints all segments but the last, which runs normally:
+    the peak, when the backward starts, holds the inputs of the ``segments - 1`` checkpointed
+    segments, everything the last segment's blocks saved, and the output the loss saved.
+    """
+    c, inside = saved_bytes_per_block(rows, width, expansion)
+    last = n_blocks - (segments - 1) * (n_blocks // segments)  # blocks in the last segment
+    return (segments - 1) * c + last * (c + inside) + c
+
+
+def optimal_segments(n_blocks: int, rows: int, width: int, expansion: int = 1) -> float:
+    """The segment count that minimises (s - 1) c + (n / s)(c + inside): sqrt(n (c + inside) / c).
+
+    With blocks that save only their input (inside = 0) this is Chen et al.'s sqrt(n).
+    """
+    c, inside = saved_bytes_per_block(rows, width, expansion)
+    return (n_blocks * (c + inside) / c) ** 0.5
+
+
+def stack_step_memory(
+    n_blocks: int, width: int, rows: int, segments: int, expansion: int = 1, seed: int = 0
+) -> dict:
+    """Exact per-category peaks (bytes) of forward + backward through a Block stack.
+
+    ``segments`` = 1 stores everything (no checkpointing); otherwise
+    ``checkpoint_sequential`` splits the stack into that many segments, keeps only each
+    segment's input, and recomputes one segment at a time during the backward.
+    """
+    stack = block_stack(n_blocks, width, expansion, seed=seed)
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed))
+    tracker = CategoryTracker()
+    tracker.track_external(stack)
+    with tracker:
+        if segments == 1:
+            y = stack(x)
+        else:
+            y = checkpoint_sequential(stack, segments, x, use_reentrant=False)
+        y.square().mean().backward()
+        del y
+    return tracker.peaks().as_dict()
+
+
+def segment_sweep(
+    n_blocks: int, width: int, rows: int, segment_counts: list[int], expansion: int = 1
+) -> dict[int, dict]:
+    """``stack_step_memory`` for each segment count: {segments: per-category peaks}."""
+    return {s: stack_step_memory(n_blocks, width, rows, s, expansion) for s in segment_counts}
+
+
+@dataclass
+class PairedTiming:
+    """Step times of the same training run without and with checkpointing, measured in turns."""
+
+    plain: list[float] = field(default_factory=list)  # seconds per optimizer step
+    checkpointed: list[float] = field(default_factory=list)
+    forward: list[float] = field(default_factory=list)  # seconds of one forward (plain model)
+
+    @property
+    def ratios(self) -> list[float]:
+        """Checkpointed / plain step time, pair by pair."""
+        return [c / p for c, p in zip(self.checkpointed, self.plain, strict=True)]
+
+    @property
+    def slowdown(self) -> float:
+        """Median of the per-pair ratios minus 1: the fraction of step time checkpointing adds."""
+        return statistics.median(self.ratios) - 1.0
+
+    @property
+    def extra_over_forward(self) -> float:
+        """Median extra step time divided by the median forward time."""
+        extra = statistics.median(c - p for c, p in zip(self.checkpointed, self.plain, strict=True))
+        return extra / statistics.median(self.forward)
+
+
+def paired_step_times(cfg, repeats: int = 20) -> PairedTiming:
+    """Time ``cfg`` without and with checkpointing in alternating steps, in this process.
+
+    Both trainees are built from the same seed. Steps alternate in ABBA order so that a slow
+    drift of the machine (other processes, clock changes) weighs on both alike; the per-pair
+    ratio then cancels most of it.
+    """
+    from helpers.timing import synchronize
+    from helpers.train import Trainee, autocast_context
+
+    plain = Trainee(replace(cfg, gradient_checkpointing=False))
+    ckpt = Trainee(replace(cfg, gradient_checkpointing=False))
+    enable_checkpointing(ckpt.model)
+    device = plain.device
+
+    def timed(fn) -> float:
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        return time.perf_counter() - t0
+
+    def forward() -> None:
+        batch = plain.batch()
+        with autocast_context(cfg.precision, device):
+            plain.model(**batch).loss.detach()
+
+    for _ in range(max(1, cfg.warmup)):
+        plain.step()
+        ckpt.step()
+    out = PairedTiming()
+    for i in range(repeats):
+        order = (plain, ckpt) if i % 2 == 0 else (ckpt, plain)
+        times = {id(t): timed(t.step) for t in order}
+        out.plain.append(times[id(plain)])
+        out.checkpointed.append(times[id(ckpt)])
+        out.forward.append(timed(forward))
+    return out
+
+
+def measure_quietly(cfg):
+    """``helpers.train.measure(cfg)`` without two harmless transformers notices.
+
+    ``Trainee`` enables checkpointing through ``gradient_checkpointing_enable``, which
+    transformers 5 calls deprecated (FutureWarning), and leaves ``use_cache`` on, which the
+    checkpointed layers switch off with a logged notice. Neither changes what is measured.
+    """
+    import logging
+    import warnings
+
+    from helpers.train import measure
+
+    loggers = [
+        logging.getLogger(n) for n in ("transformers.utils.generic", "transformers.modeling_layers")
+    ]
+    levels = [log.level for log in loggers]
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r".*gradient_checkpointing", category=FutureWarning
+        )
+        for log in loggers:
+            log.setLevel(logging.ERROR)
+        try:
+            return measure(cfg)
+        finally:
+            for log, level in zip(loggers, levels, strict=True):
+                log.setLevel(level)

@@ -1,0 +1,84 @@
+"""Checkpointing helpers: recomputation, exact memory arithmetic, the transformers switch."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint_sequential
+
+from helpers.checkpointing import (
+    block_stack,
+    enable_checkpointing,
+    measure_quietly,
+    optimal_segments,
+    paired_step_times,
+    predicted_activation_bytes,
+    saved_bytes_per_block,
+    stack_step_memory,
+)
+from helpers.models import build_model, load_config
+from helpers.train import RunConfig
+
+
+def _grads(segments: int, dropout: float):
+    stack = block_stack(4, 16, dropout=dropout, seed=0)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    y = (
+        stack(x)
+        if segments == 1
+        else checkpoint_sequential(stack, segments, x, use_reentrant=False)
+    )
+    y.sum().backward()
+    return [p.grad for p in stack.parameters()], [block.calls for block in stack]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_checkpointed_stack_recomputes_and_gives_the_same_gradients(dropout):
+    plain, plain_calls = _grads(1, dropout)
+    ckpt, ckpt_calls = _grads(2, dropout)
+    assert all(torch.equal(a, b) for a, b in zip(plain, ckpt, strict=True))
+    assert plain_calls == [1, 1, 1, 1]
+    # checkpoint_sequential checkpoints all segments but the last: those blocks run twice.
+    assert ckpt_calls == [2, 2, 1, 1]
+
+
+@pytest.mark.parametrize("segments", [1, 2, 4])
+def test_stack_memory_matches_the_arithmetic(segments):
+    n, width, rows = 4, 32, 64
+    measured = stack_step_memory(n, width, rows, segments)["activations"]
+    assert measured == pytest.approx(predicted_activation_bytes(n, segments, rows, width), rel=0.02)
+
+
+def test_optimal_segments_is_the_square_root_rule():
+    c, inside = saved_bytes_per_block(64, 32)
+    assert optimal_segments(16, 64, 32) == pytest.approx((16 * (c + inside) / c) ** 0.5)
+    # Memory model (s - 1) c + (n / s)(c + inside) is smallest near the optimum.
+    s_star = optimal_segments(16, 64, 32)
+    cost = {s: (s - 1) * c + 16 / s * (c + inside) for s in (1, 2, 4, 8, 16)}
+    assert abs(min(cost, key=cost.get) - s_star) <= s_star / 2
+
+
+def test_enable_checkpointing_is_quiet_and_switches_layers_on():
+    model = build_model(load_config("bert-tiny"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the deprecated name must not be used
+        enable_checkpointing(model)
+    flag = getattr(model, "is_activation_checkpointing", None)
+    if flag is None:  # transformers before the rename
+        flag = model.is_gradient_checkpointing
+    assert flag and model.config.use_cache is False
+
+
+def test_paired_timing_and_quiet_measure():
+    cfg = RunConfig(model="bert-tiny", batch_size=2, seq_len=16, warmup=1, repeats=1, flops=False)
+    paired = paired_step_times(cfg, repeats=2)
+    assert len(paired.plain) == len(paired.checkpointed) == len(paired.forward) == 2
+    assert all(r > 0 for r in paired.ratios) and math.isfinite(paired.extra_over_forward)
+    plain = measure_quietly(cfg)
+    ckpt = measure_quietly(RunConfig(**{**cfg.as_dict(), "gradient_checkpointing": True}))
+    assert ckpt.memory["params"] == plain.memory["params"]
+    assert ckpt.memory["activations"] < plain.memory["activations"]
