@@ -1,0 +1,270 @@
+"""Mixed precision: what each number format holds, a timed run on the learnable task, figures.
+
+The formats are described by their bit counts alone, so tf32 (an NVIDIA tensor-core mode that
+is not a torch dtype) gets the same row as fp32, fp16 and bf16.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from matplotlib.figure import Figure
+
+from helpers.timing import synchronize
+
+MiB = 2**20
+# name: (exponent bits, explicit mantissa bits); one sign bit on top.
+FORMAT_BITS = {"fp32": (8, 23), "tf32": (8, 10), "fp16": (5, 10), "bf16": (8, 7)}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+FORMAT_COLORS = {"fp32": "#4C72B0", "tf32": "#64B5CD", "fp16": "#C44E52", "bf16": "#55A868"}
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """Range and precision of a binary floating-point format, from its bit counts."""
+
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+
+    @property
+    def bits(self) -> int:
+        """Sign + exponent + mantissa bits (tf32: 19, stored in 32-bit registers)."""
+        return 1 + self.exponent_bits + self.mantissa_bits
+
+    @property
+    def bias(self) -> int:
+        """Exponent bias: the stored exponent minus the bias is the power of two."""
+        return 2 ** (self.exponent_bits - 1) - 1
+
+    @property
+    def max(self) -> float:
+        """Largest finite value: all-ones mantissa at the largest exponent."""
+        return (2 - 2.0**-self.mantissa_bits) * 2.0**self.bias
+
+    @property
+    def smallest_normal(self) -> float:
+        """Smallest value with full precision."""
+        return 2.0 ** (1 - self.bias)
+
+    @property
+    def smallest_subnormal(self) -> float:
+        """Smallest non-zero value (fewer significant bits); half of it rounds to zero."""
+        return 2.0 ** (1 - self.bias - self.mantissa_bits)
+
+    @property
+    def eps(self) -> float:
+        """Gap between 1 and the next value: relative rounding error is at most eps / 2."""
+        return 2.0**-self.mantissa_bits
+
+    def as_row(self) -> dict:
+        """One table row."""
+        return {
+            "bits": self.bits,
+            "exponent bits": self.exponent_bits,
+            "mantissa bits": self.mantissa_bits,
+            "max": self.max,
+            "smallest normal": self.smallest_normal,
+            "smallest subnormal": self.smallest_subnormal,
+            "eps": self.eps,
+        }
+
+
+def float_format(name: str) -> FloatFormat:
+    """The format by course name: fp32, tf32, fp16 or bf16."""
+    if name not in FORMAT_BITS:
+        raise ValueError(f"unknown format {name!r}: use one of {', '.join(FORMAT_BITS)}")
+    return FloatFormat(name, *FORMAT_BITS[name])
+
+
+def cpu_16bit_instructions() -> dict[str, bool] | None:
+    """Whether this CPU has bf16 / fp16 arithmetic instructions (Linux flags); None if unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+    return {
+        "bf16": bool({"avx512_bf16", "amx_bf16"} & set(flags)),
+        "fp16": bool({"avx512_fp16", "amx_fp16"} & set(flags)),
+    }
+
+
+def linear_params(model: str) -> int:
+    """Weights and biases of the nn.Linear layers of a bundled model (built on the meta device)."""
+    from helpers.models import build_model, load_config
+
+    with torch.device("meta"):
+        net = build_model(load_config(model), device="meta")
+    return sum(
+        p.numel()
+        for m in net.modules()
+        if isinstance(m, torch.nn.Linear)
+        for p in m.parameters(recurse=False)
+    )
+
+
+def peak_phase(memory: Mapping) -> str:
+    """Where a Record's peak was: 'optimizer step' if every gradient existed, else 'fwd/bwd'."""
+    at = memory.get("peak_at") or {}
+    return "optimizer step" if at.get("gradients", 0) >= memory["params"] else "fwd/bwd"
+
+
+@dataclass
+class MarkovRun:
+    """Loss curve and step times of a training run on the learnable task."""
+
+    precision: str
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)  # seconds, one per optimizer step
+    scales: list[float] = field(default_factory=list)  # GradScaler's scale after each step (fp16)
+    best_loss: float = 0.0  # the task's entropy rate
+    uniform_loss: float = 0.0  # log(n_states)
+
+    def final(self, last: int = 5) -> float:
+        """Mean loss of the last ``last`` steps (one batch's loss is noisy)."""
+        tail = self.losses[-last:]
+        return sum(tail) / len(tail)
+
+    @property
+    def step_time(self) -> float:
+        """Median seconds per step, the first (warm-up) step excluded."""
+        times = sorted(self.step_times[1:] or self.step_times)
+        return times[len(times) // 2]
+
+
+def measure_series(cfgs: Sequence) -> list:
+    """``helpers.train.measure`` of each RunConfig in turn, in this process; OOM comes back."""
+    from helpers.isolate import run
+
+    return [run(cfg, isolate=False) for cfg in cfgs]
+
+
+def markov_run(cfg, steps: int) -> MarkovRun:
+    """Train ``cfg`` (a RunConfig) on the Markov task for ``steps`` steps, timing each step."""
+    from helpers.train import Trainee
+
+    trainee = Trainee(replace(cfg, data="markov"))
+    out = MarkovRun(
+        cfg.precision, best_loss=trainee.task.entropy_rate, uniform_loss=trainee.task.uniform_loss
+    )
+    for _ in range(steps):
+        synchronize(trainee.device)
+        start = time.perf_counter()
+        out.losses.append(trainee.step())  # float() inside waits for the device
+        synchronize(trainee.device)
+        out.step_times.append(time.perf_counter() - start)
+        if trainee.scaler is not None:
+            out.scales.append(float(trainee.scaler.get_scale()))
+    return out
+
+
+def markov_runs(cfgs: Sequence, steps: int) -> list[MarkovRun]:
+    """``markov_run`` of each RunConfig in turn, in this process (call it isolated)."""
+    return [markov_run(cfg, steps) for cfg in cfgs]
+
+
+def range_figure(names: Sequence[str], marks: Mapping[str, float] | None = None) -> Figure:
+    """Each format's range on a log2 axis (subnormals light, normals dark), values marked."""
+    fig = Figure(figsize=(8, 0.6 * len(names) + 1.8), layout="constrained")
+    ax = fig.add_subplot()
+    for row, name in enumerate(names):
+        fmt = float_format(name)
+        color = FORMAT_COLORS.get(name, "grey")
+        lo, mid, hi = torch.tensor([fmt.smallest_subnormal, fmt.smallest_normal, fmt.max]).log2()
+        ax.barh(row, float(mid - lo), left=float(lo), color=color, alpha=0.35, height=0.6)
+        ax.barh(row, float(hi - mid), left=float(mid), color=color, height=0.6)
+        ax.annotate(
+            f"max {fmt.max:.3g}",
+            (float(hi), row),
+            xytext=(3, -4),
+            textcoords="offset points",
+            fontsize="small",
+        )
+    styles = ["--", ":", "-.", (0, (5, 1, 1, 1))]
+    for i, (label, value) in enumerate((marks or {}).items()):
+        x = float(torch.tensor(value, dtype=torch.float64).log2())
+        ax.axvline(
+            x,
+            color="black",
+            linestyle=styles[i % len(styles)],
+            linewidth=1.2,
+            label=f"{label} (2^{x:.1f})",
+        )
+    ax.set_yticks(range(len(names)), list(names))
+    ax.invert_yaxis()
+    ax.set_xlabel("log2 of the magnitude (light: subnormal, fewer significant bits)")
+    ax.set_title("What each format can hold")
+    ax.set_xlim(right=ax.get_xlim()[1] + 25)
+    if marks:
+        fig.legend(fontsize="small", loc="outside lower center", ncols=len(marks))
+    return fig
+
+
+def crossover_figure(
+    batches: Sequence[int],
+    fp32: Sequence[Mapping[str, int]],
+    half: Sequence[Mapping[str, int]],
+    half_name: str = "fp16",
+) -> Figure:
+    """Left: peaks vs batch size for fp32 and 16-bit; right: what 16-bit adds and saves."""
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    left.plot(batches, [m["peak"] / MiB for m in fp32], "o-", label="fp32 peak")
+    left.plot(batches, [m["peak"] / MiB for m in half], "o-", label=f"{half_name} autocast peak")
+    left.set_xlabel("batch size")
+    left.set_ylabel("MiB (exact)")
+    left.set_title("Peak memory of a training step")
+    copies = [m["weight_copies"] / MiB for m in half]
+    saved = [(a["activations"] - b["activations"]) / MiB for a, b in zip(fp32, half, strict=True)]
+    peak_diff = [(b["peak"] - a["peak"]) / MiB for a, b in zip(fp32, half, strict=True)]
+    right.plot(batches, copies, "s--", label="added: 16-bit weight copies")
+    right.plot(batches, saved, "o--", label="saved: activations fp32 - 16-bit")
+    right.plot(batches, peak_diff, "ko-", label=f"peak {half_name} - peak fp32")
+    right.axhline(0, color="grey", linewidth=1)
+    right.set_xlabel("batch size")
+    right.set_ylabel("MiB")
+    right.set_title("What 16-bit adds and saves")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(batches), [str(b) for b in batches])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return fig
+
+
+def loss_figure(runs: Mapping[str, MarkovRun], reference: str = "fp32") -> Figure:
+    """Left: loss curves and the task's best and uniform losses; right: minus ``reference``."""
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    styles = ["-", "--", ":", "-."]
+    base = runs[reference].losses
+    for i, (name, run) in enumerate(runs.items()):
+        steps = range(1, len(run.losses) + 1)
+        style = {
+            "label": name,
+            "color": FORMAT_COLORS.get(run.precision),
+            "linestyle": styles[i % len(styles)],
+            "linewidth": 2.5 if i == 0 else 1.5,
+        }
+        left.plot(steps, run.losses, **style)
+        right.plot(steps, [a - b for a, b in zip(run.losses, base, strict=True)], **style)
+    first = runs[reference]
+    for label, y in (
+        ("best possible (entropy rate)", first.best_loss),
+        ("uniform over the chain's states", first.uniform_loss),
+    ):
+        left.axhline(y, color="grey", linestyle="--", linewidth=1)
+        left.annotate(label, (1, y), xytext=(0, 3), textcoords="offset points", fontsize="small")
+    left.set_ylabel("training loss (nats/token)")
+    left.set_title("The learnable task in each precision")
+    right.set_ylabel(f"loss minus the {reference} run's loss")
+    right.set_title(f"Difference from {reference}, step by step")
+    for ax in (left, right):
+        ax.set_xlabel("optimizer step")
+        ax.legend(fontsize="small")
+        ax.grid(alpha=0.3)
+    return fig
