@@ -1,4 +1,4 @@
-"""``python -m helpers measure|summary|hardware|doctor``: the course's measurements from a shell."""
+"""``python -m helpers measure|estimate|plan|summary|hardware|doctor``: the course from a shell."""
 
 from __future__ import annotations
 
@@ -85,6 +85,116 @@ def _measure(args) -> int:
     return 0
 
 
+def _print_summary(summary: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary))
+        return
+    for key, value in summary.items():
+        if isinstance(value, int) and key != "n_params":
+            value = f"{value:,} B ({value / 2**20:.1f} MiB)"
+        print(f"{key:>26}: {value}")
+
+
+def _estimate(args) -> int:
+    from helpers.estimate import estimate
+    from helpers.train import OPTIMIZERS
+
+    if args.optimizer not in OPTIMIZERS:
+        return _fail(f"unknown optimizer {args.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+    if args.batch_size < 1 or args.seq_len < 1:
+        return _fail("--batch-size and --seq-len must be positive")
+    try:
+        est = estimate(
+            args.model,
+            args.batch_size,
+            args.seq_len,
+            precision=args.precision,
+            optimizer=args.optimizer,
+            gradient_checkpointing=args.gradient_checkpointing,
+            attn=args.attn,
+            device=args.device,
+        )
+    except (OSError, ValueError, KeyError) as err:  # unreadable config, unknown family, limits
+        return _fail(f"cannot estimate {args.model!r}: {type(err).__name__}: {err}")
+    fields = (
+        "params",
+        "gradients",
+        "optimizer_state",
+        "activations",
+        "temporaries",
+        "weight_copies",
+        "buffers",
+        "peak",
+    )
+    summary = {"n_params": est.n_params, **{k: int(getattr(est, k)) for k in fields}}
+    summary["peak_at"] = est.peak_at
+    _print_summary(summary, args.json)
+    return 0
+
+
+def _plan(args) -> int:
+    from helpers.plan import parse_bytes, plan
+
+    try:
+        budget = parse_bytes(args.budget)
+    except ValueError as err:
+        return _fail(f"--budget: {err}")
+    if args.effective_batch < 1 or (args.seq_len is not None and args.seq_len < 1):
+        return _fail("--effective-batch and --seq-len must be positive")
+    if args.top_k < 1 or args.repeats < 1:
+        return _fail("--top-k and --repeats must be positive")
+    try:
+        result = plan(
+            args.model,
+            budget,
+            args.effective_batch,
+            args.seq_len,
+            device=args.device,
+            top_k=args.top_k,
+            repeats=args.repeats,
+        )
+    except (OSError, ValueError, KeyError) as err:
+        return _fail(f"cannot plan for {args.model!r}: {err}")
+    if args.json:
+        best, runner = result.best, result.runner_up
+        print(
+            json.dumps(
+                {
+                    "best": best.candidate.label if best else None,
+                    "best_samples_per_s": best.samples_per_s if best else None,
+                    "best_estimated_peak": best.candidate.estimated_peak if best else None,
+                    "best_measured_peak": best.measured_peak if best else None,
+                    "runner_up": runner.candidate.label if runner else None,
+                    "runner_up_samples_per_s": runner.samples_per_s if runner else None,
+                    "budget": result.budget,
+                    "considered": result.considered,
+                    "fitting": len(result.fitting),
+                    "measured": len(result.measured),
+                    "reason": result.reason,
+                }
+            )
+        )
+        return 0 if best else 1
+    print(
+        f"plan for {result.model}: budget {budget:,} B, effective batch "
+        f"{result.effective_batch}, sequence length {result.seq_len}, on {result.device}"
+    )
+    print(
+        f"{result.considered} configurations estimated, {len(result.fitting)} fit; "
+        f"measured the {len(result.measured)} cheapest:"
+    )
+    for m in result.measured:
+        c = m.candidate
+        speed = f"{m.samples_per_s:8.3g} samples/s" if m.ok else f"failed: {m.error}"
+        print(f"  {c.label:<48} est. peak {c.estimated_peak / 2**20:9.1f} MiB  {speed}")
+    if result.best:
+        print(f"best:      {result.best.candidate.label}")
+    if result.runner_up:
+        print(f"runner-up: {result.runner_up.candidate.label}")
+    print(result.reason)
+    return 0 if result.best else 1
+
+
 def _summary(args) -> int:
     import pandas as pd
 
@@ -135,21 +245,41 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m helpers", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
+    def run_arguments(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", required=True, help="config JSON path, bundled name, or hub id")
+        p.add_argument("--batch-size", type=int, required=True)
+        p.add_argument("--seq-len", type=int, required=True)
+        p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16", "fp16"])
+        p.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor | adamw8bit")
+        p.add_argument("--gradient-checkpointing", action="store_true")
+        p.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
+        p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator)")
+        p.add_argument("--warmup", type=int, default=1)
+        p.add_argument("--repeats", type=int, default=3)
+        p.add_argument("--no-flops", action="store_true", help="skip the FLOP count (and MFU)")
+        p.add_argument("--save", action="store_true", help="append the record to the results store")
+        p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
+
     m = sub.add_parser("measure", help="train a few steps here and report bytes per category")
-    m.add_argument("--model", required=True, help="config JSON path, bundled name, or hub id")
-    m.add_argument("--batch-size", type=int, required=True)
-    m.add_argument("--seq-len", type=int, required=True)
-    m.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16", "fp16"])
-    m.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor | adamw8bit")
-    m.add_argument("--gradient-checkpointing", action="store_true")
-    m.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
-    m.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator)")
-    m.add_argument("--warmup", type=int, default=1)
-    m.add_argument("--repeats", type=int, default=3)
-    m.add_argument("--no-flops", action="store_true", help="skip the FLOP count (and MFU)")
-    m.add_argument("--save", action="store_true", help="append the record to the results store")
-    m.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
+    run_arguments(m)
     m.set_defaults(func=_measure)
+
+    e = sub.add_parser(
+        "estimate", help="predict measure's bytes per category without training or weights"
+    )
+    run_arguments(e)  # the same arguments as measure; --warmup/--repeats/--save are unused
+    e.set_defaults(func=_estimate)
+
+    p = sub.add_parser("plan", help="fastest configuration that fits a memory budget")
+    p.add_argument("--model", required=True, help="config JSON path, bundled name, or hub id")
+    p.add_argument("--budget", required=True, help="e.g. 16GB, 512MiB (GB = GiB = 2**30 bytes)")
+    p.add_argument("--effective-batch", type=int, required=True, help="samples per step")
+    p.add_argument("--seq-len", type=int, default=None, help="default: the scale's length")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator)")
+    p.add_argument("--top-k", type=int, default=6, help="how many candidates to time")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per candidate")
+    p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
+    p.set_defaults(func=_plan)
 
     s = sub.add_parser("summary", help="print the table of recorded experiments")
     s.add_argument("--results", default=None, help="results store (default: $COURSE_RESULTS)")

@@ -1,0 +1,1073 @@
+"""Predict the memory of a training step, category by category, without building the weights.
+
+``estimate(...)`` returns the categories ``helpers.train.measure`` reports (the
+``helpers.memory.CategoryTracker`` contract): each category's own largest size during one
+steady-state step, and ``peak``, the largest total alive at one moment. The model is built on
+PyTorch's ``meta`` device only (shapes, no storage), so a 7B config costs nothing; the rest is
+arithmetic, derived from what PyTorch and these transformers implementations keep.
+
+Model state (exact)
+    params = 4 B x n_params (fp32 weights, the master copy under autocast too); gradients =
+    4 B per trainable parameter; optimizer state per tensor of n numbers: AdamW 8n + 4
+    (exp_avg, exp_avg_sq, a 0-dim fp32 step), SGD-momentum 4n, torch's Adafactor 4(r + c) + 4
+    per r x c matrix (factored second moment, times any leading dims) and 4n + 4 per vector,
+    bitsandbytes' 8-bit AdamW 2n + 8 ceil(n/256) (two uint8 states, one fp32 absmax per block
+    of 256) plus two shared 256-entry fp32 quantisation maps, except tensors under
+    min_8bit_size = 4096 numbers and nn.Embedding weights (make_optimizer's override), which
+    keep two fp32 states (8n). ``training_state`` does the same from parameter counts alone.
+
+Activations: from the paper to these implementations
+    Korthikanti et al. (2022) count s·b·h·(34 + 5·a·s/h) bytes per transformer layer in 16
+    bits with 1-byte dropout masks: 34 sbh = 8 kept (s, b, h) tensors x 2 B (QKV input, Q, K,
+    V, attention-output input, MLP input, two LayerNorm inputs) + 2 kept (s, b, 4h) MLP tensors
+    x 2 B + 2 dropout masks x 1 B; 5as²b = softmax output (2) + dropout mask (1) + dropout
+    output (2) per attention score. We keep this bookkeeping, tensor by tensor, but count what
+    each op of modeling_bert.py / modeling_llama.py / modeling_mixtral.py saves for backward
+    (checked against the tracker). With T = b·s tokens, e = 4 B (fp32) or 2 B (autocast):
+
+    BERT layer = T·h·(4 [input] | 3x2 [q, k, v each cast their input])
+                 + 3·T·h·e [q, k, v contiguous copies made by matmul] + T·h·e [context]
+                 + 2 x (T·h·m [dropout mask] + T·h·4 [fp32 residual sum] + 8T [LN mean, 1/std])
+                 + T·h·(4 | 2) [MLP input] + 2·T·I·e [GELU input, output]
+                 + a·s²·b·(e + m + e) [probabilities, dropout mask, dropped probabilities]
+    Llama layer = 2 x (T·h·4 [fp32 residual input] + T·h·4 [normalised] + 4T [1/rms])
+                 + T·h·(4 | 3x2) [q, k, v input] + T·h·(4 | 2x2) [gate, up input]
+                 + 3·T·a·d·e [q, and k, v repeated to all heads] + T·a·d·e [context]
+                 + 4·T·I·e [gate, SiLU(gate), up, product] + a·s²·b·(4 | 4 + 2) [fp32 softmax,
+                 its 16-bit copy] (+ 2·T·kv·d·4 fp32 KV cache, alive to the end of forward)
+    where m, the dropout mask, is a float tensor of the input's dtype on the CPU (e) and a
+    1-byte bool on CUDA. Why it is more than 34 sbh: the residual stream stays fp32 under
+    autocast (embeddings, LayerNorm/RMSNorm, residual sums), autocast keeps one 16-bit copy of
+    an input per Linear that reads it (q, k and v each), RMSNorm keeps its normalised input,
+    RoPE runs in fp32 so Q and K come out fp32, and SwiGLU keeps 4 intermediate tensors, not 2.
+    SDPA replaces the a·s²·b terms with its output and a log-sum-exp (4 B per head and token),
+    except on the CPU with attention dropout (BERT), where it falls back to the math kernel,
+    which keeps what eager keeps, in fp32. Mixtral's MoE keeps the router's fp32 softmax and
+    k routed copies of each token through the experts' grouped matmuls, which stay fp32 even
+    under autocast. The head keeps the logits (held by the model output) and the loss's fp32
+    log-softmax, 4 B x T x vocab, often the largest single tensor of the step.
+
+Temporaries and the peak
+    The step is simulated in stages (embeddings, each layer's attention and MLP, head, loss):
+    forward piles up each stage's saved tensors; autocast's 16-bit weight copies are cached
+    until forward ends and then kept by the matmuls that saved them; backward frees the
+    stages in reverse while gradient temporaries (incoming and outgoing activation gradients,
+    one weight gradient in flight) come and go and parameter gradients accumulate; the
+    optimizer step then holds every gradient plus its scratch tensors (CPU AdamW: sqrt and
+    quotient of the tensor being updated plus the previous tensor's denominator; Adafactor:
+    the rebuilt second moment of this and the previous tensor; 8-bit AdamW allocates inside a
+    custom op the tracker cannot see, and fuses everything on CUDA). Gradient checkpointing
+    keeps only each layer's input and recomputes one layer at a time in backward; gradient
+    accumulation keeps every gradient alive through later micro-batches. The peak is the
+    largest of these moments and ``peak_at`` names it ("backward: loss", "optimizer step"...).
+
+The tracker's own conventions are followed (tensors recomputed outside a submodule, like
+Llama's residual sums, are temporaries; a tied weight's first gradient stays a temporary until
+the embedding adds its own; the batch is not tracked). Only CPU behaviour is checked against
+measurements here (tests/test_estimate.py); the CUDA branches (bool dropout masks, fp32
+softmax under autocast, fused SDPA, foreach optimizers) follow PyTorch's sources, unmeasured.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from helpers.models import load_config, task_kind
+
+OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
+PRECISION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+AUTOCAST = ("bf16", "fp16")
+FP32 = 4
+INT64 = 8
+BNB_BLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states (one fp32 absmax each)
+BNB_MIN_8BIT = 4096  # bitsandbytes' default min_8bit_size: smaller tensors keep fp32 states
+BNB_QMAPS = 2 * 256 * FP32  # the signed and unsigned quantisation maps, shared by all tensors
+
+DECODERS = ("llama", "mistral", "qwen2")
+MOE = ("mixtral",)
+ENCODERS = ("bert",)
+SUPPORTED = ENCODERS + DECODERS + MOE
+
+
+# --------------------------------------------------------------------------------------------
+# The model's tensors, from a meta-device build
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter tensor: where it lives in the step and how optimizers and autocast see it."""
+
+    name: str
+    shape: tuple[int, ...]
+    stage: str  # "embed" | "L{i}.attn" | "L{i}.mlp" | "head"
+    embedding: bool = False  # an nn.Embedding weight (8-bit AdamW keeps it 32-bit)
+    cast: bool = False  # enters an autocast matmul as a Parameter: gets a cached 16-bit copy
+    trainable: bool = True
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the estimator needs to know about a model: its config and its parameter tensors."""
+
+    model_type: str
+    family: str  # "encoder" | "decoder" | "moe"
+    config: dict
+    params: tuple[ParamInfo, ...]  # in model.parameters() order (the optimizer's order)
+    buffer_bytes: int
+    tied: bool  # the LM head shares the input embedding's weight
+
+    @property
+    def n_params(self) -> int:
+        """Distinct parameters (tied weights once), as ``helpers.models.count_params``."""
+        return sum(p.numel for p in self.params)
+
+    @property
+    def n_trainable(self) -> int:
+        """Parameters that get gradients and optimizer state."""
+        return sum(p.numel for p in self.params if p.trainable)
+
+    def numel_named(self, stage: str, *parts: str) -> int:
+        """Trainable numbers in ``stage`` whose names contain one of ``parts``."""
+        return sum(
+            p.numel
+            for p in self.params
+            if p.stage == stage and p.trainable and any(x in p.name for x in parts)
+        )
+
+    def stage_numel(self, stage: str, cast_only: bool = False) -> int:
+        """Trainable numbers in ``stage`` (only the autocast-cast ones with ``cast_only``)."""
+        return sum(
+            p.numel
+            for p in self.params
+            if p.stage == stage and p.trainable and (p.cast or not cast_only)
+        )
+
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h)\.(\d+)\.(.*)$")
+_ATTN_PARTS = ("self_attn", "attention", "input_layernorm", "attn", "ln_1")
+
+
+def _family(model_type: str) -> str:
+    if model_type in ENCODERS:
+        return "encoder"
+    if model_type in DECODERS:
+        return "decoder"
+    if model_type in MOE:
+        return "moe"
+    raise ValueError(
+        f"no activation model for model_type {model_type!r}: the estimator knows "
+        f"{', '.join(SUPPORTED)}"
+    )
+
+
+def describe_model(model, attn: str = "eager") -> ModelInfo:
+    """Build ``model`` (name, path, dict or config) on the meta device and list its tensors."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        PretrainedConfig,
+    )
+
+    if isinstance(model, ModelInfo):
+        return model
+    config = model if isinstance(model, PretrainedConfig) else load_config(model)
+    family = _family(config.model_type)
+    auto = (
+        AutoModelForSequenceClassification
+        if task_kind(config) == "classify"
+        else AutoModelForCausalLM
+    )
+    with torch.device("meta"):
+        net = auto.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    owner = {}  # the first module that holds each parameter (for a tied weight: the embedding)
+    for mod in net.modules():
+        for p in mod.parameters(recurse=False):
+            owner.setdefault(id(p), mod)
+    params, seen_layer = [], False
+    for name, p in net.named_parameters():
+        mod = owner[id(p)]
+        match = _LAYER.search(name)
+        if match:
+            seen_layer = True
+            part = "attn" if match.group(2).startswith(_ATTN_PARTS) else "mlp"
+            stage = f"L{match.group(1)}.{part}"
+        else:
+            stage = "head" if seen_layer else "embed"
+        is_embedding = isinstance(mod, torch.nn.Embedding)
+        linear = isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D"
+        cast = linear or (not is_embedding and p.dim() == 2)
+        params.append(ParamInfo(name, tuple(p.shape), stage, is_embedding, cast, p.requires_grad))
+    out_emb, in_emb = net.get_output_embeddings(), net.get_input_embeddings()
+    tied = out_emb is not None and out_emb.weight is in_emb.weight
+    buffers = sum(b.numel() * b.element_size() for b in net.buffers())
+    return ModelInfo(
+        model_type=config.model_type,
+        family=family,
+        config={**config.to_dict(), "_experts_implementation": _experts_impl(net)},
+        params=tuple(params),
+        buffer_bytes=buffers,
+        tied=tied,
+    )
+
+
+def _experts_impl(net) -> str | None:
+    return getattr(net.config, "_experts_implementation", None)
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters, gradients and optimizer state
+
+
+@dataclass
+class TrainingState:
+    """Bytes of the model state: weights, gradients, optimizer state (no activations)."""
+
+    params: int
+    gradients: int
+    optimizer_state: int
+
+    @property
+    def total(self) -> int:
+        """Sum of the three."""
+        return self.params + self.gradients + self.optimizer_state
+
+
+def training_state(
+    n_params: int,
+    n_trainable: int | None = None,
+    optimizer: str = "adamw",
+    weight_bytes: int = FP32,
+    master_copy: bool = False,
+    n_tensors: int = 0,
+) -> TrainingState:
+    """Model-state bytes from parameter counts alone (frozen weights get no grads or state).
+
+    Per trainable parameter: AdamW 8 B, SGD-momentum 4 B, 8-bit AdamW 2 B + 8 B per 256 (its
+    absmax blocks, ignoring its fp32 small tensors); Adafactor depends on tensor shapes, use
+    ``optimizer_state_bytes``. ``master_copy`` adds the 4 B fp32 master weight that mixed
+    precision keeps when the weights themselves are 16-bit (``weight_bytes=2``): with it,
+    AdamW is the seed's 12 B per trainable parameter (84 GB for 7B, 2.4 GB for 0.2B of LoRA).
+    ``n_tensors`` adds AdamW's 4-byte step per trainable tensor.
+    """
+    n_trainable = n_params if n_trainable is None else n_trainable
+    per = {"adamw": 8.0, "sgd": 4.0, "adamw8bit": 2.0 + 2 * FP32 / BNB_BLOCK}
+    if optimizer == "adafactor":
+        raise ValueError("Adafactor's state depends on tensor shapes: use optimizer_state_bytes")
+    if optimizer not in per:
+        raise ValueError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+    state = per[optimizer] * n_trainable + (FP32 * n_tensors if optimizer == "adamw" else 0)
+    if master_copy:
+        state += FP32 * n_trainable
+    return TrainingState(
+        params=int(weight_bytes * n_params),
+        gradients=int(weight_bytes * n_trainable),
+        optimizer_state=int(round(state)),
+    )
+
+
+def optimizer_state_bytes(optimizer: str, params) -> int:
+    """Exact optimizer-state bytes for ``params`` (ParamInfo, or anything with shape/numel)."""
+    total, any_8bit = 0, False
+    for p in params:
+        if not getattr(p, "trainable", True):
+            continue
+        shape = tuple(p.shape)
+        n = math.prod(shape)
+        if optimizer == "adamw":
+            total += 2 * FP32 * n + FP32  # exp_avg, exp_avg_sq, and a 0-dim fp32 step tensor
+        elif optimizer == "sgd":
+            total += FP32 * n  # momentum buffer (no step counter)
+        elif optimizer == "adafactor":
+            if len(shape) >= 2:  # factored second moment: a row and a column vector per matrix
+                *lead, rows, cols = shape
+                total += FP32 * math.prod(lead) * (rows + cols) + FP32
+            else:  # vectors keep a full second moment
+                total += FP32 * n + FP32
+        elif optimizer == "adamw8bit":
+            if getattr(p, "embedding", False) or n < BNB_MIN_8BIT:
+                total += 2 * FP32 * n  # state1, state2 in fp32; bnb's step is a Python int
+            else:
+                any_8bit = True
+                total += 2 * n + 2 * FP32 * math.ceil(n / BNB_BLOCK)  # uint8 states + absmax
+        else:
+            raise ValueError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+    return total + (BNB_QMAPS if any_8bit else 0)
+
+
+def optimizer_step_temporaries(optimizer: str, params, device_type: str = "cpu") -> int:
+    """Largest scratch memory the optimizer's step allocates, as the tracker sees it."""
+    sizes = [FP32 * math.prod(p.shape) for p in params if getattr(p, "trainable", True)]
+    if not sizes or optimizer in ("sgd", "adamw8bit"):
+        # SGD updates in place. 8-bit AdamW: fused CUDA kernels; on the CPU its kernel is a
+        # custom op whose scratch tensors the tracker cannot see.
+        return 0
+    trainable = [p for p in params if getattr(p, "trainable", True)]
+    if device_type != "cpu":  # foreach implementations: one scratch list over all tensors
+        if optimizer == "adamw":
+            return sum(sizes)  # exp_avg_sq.sqrt() for every tensor at once
+        matrices = sum(n for n, p in zip(sizes, trainable, strict=True) if len(p.shape) >= 2)
+        return max(matrices, 2 * (sum(sizes) - matrices))  # var_estimates; vectors: 2 lists
+    worst, previous = 0, 0
+    for p, size in zip(trainable, sizes, strict=True):
+        if optimizer == "adamw":
+            # denom = (exp_avg_sq.sqrt() / c).add_(eps): sqrt and quotient coexist, and the
+            # previous tensor's denom is still referenced by the loop variable.
+            worst = max(worst, 2 * size + previous)
+        else:  # adafactor
+            if len(p.shape) >= 2:
+                *lead, rows, cols = p.shape
+                means = FP32 * math.prod(lead) * (rows + cols)
+                worst = max(worst, size + previous + means)  # row_var @ col_var, previous one
+            else:
+                worst = max(worst, 2 * size + previous)  # grad*grad and variance.clone()
+        previous = size
+    return worst
+
+
+# --------------------------------------------------------------------------------------------
+# Activations: the step as stages
+
+
+@dataclass
+class Moment:
+    """One moment of a stage's backward: gradient temporaries alive, and what is already gone."""
+
+    temp: int  # gradient temporaries alive (incoming/outgoing activation grads, weight grad)
+    released: int = 0  # bytes of this stage's saved tensors already freed
+    grads_done: int = 0  # bytes of this stage's parameter gradients already complete
+    copies_released: int = 0  # bytes of this stage's 16-bit weight copies already freed
+
+
+@dataclass
+class Stage:
+    """A piece of the step whose saved tensors live and die together."""
+
+    name: str
+    saved: dict[str, int] = field(default_factory=dict)  # kept for this stage's backward
+    forward_only: dict[str, int] = field(default_factory=dict)  # alive to the end of forward
+    transient: dict[str, int] = field(default_factory=dict)  # alive at this stage's forward end
+    backward: list[Moment] = field(default_factory=list)
+    grads: int = 0  # parameter-gradient bytes this stage leaves when its backward is done
+    copies: int = 0  # autocast 16-bit weight copies created here
+    region: int | None = None  # checkpointed layer this stage belongs to (None: not checkpointed)
+    checkpoint_input: int = 0  # what the checkpoint keeps in forward (first stage of a region)
+    input_in_saved: bool = True  # the checkpoint input is also one of ``saved`` (same storage)
+    recompute_temp: int = 0  # saved bytes the tracker labels temporaries when recomputed
+    recompute_transient: int = 0  # alive at the end of recomputing this (last) stage
+    pending_grads: int = 0  # gradient bytes labelled temporaries until the embedding's backward
+
+
+def _mask(elem: int, device_type: str) -> int:
+    """Bytes per element of a dropout mask: CPU keeps a float tensor, CUDA a bool one."""
+    return 1 if device_type == "cuda" else elem
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The sizes every formula uses."""
+
+    b: int
+    s: int
+    ea: int  # bytes of matmul outputs: 4 in fp32, 2 under autocast
+    amp: bool
+    dev: str  # device type
+
+    @property
+    def t(self) -> int:
+        """Tokens in the micro-batch."""
+        return self.b * self.s
+
+
+def _weight_grad(numel: int, z: _Shape) -> int:
+    """A weight gradient as its matmul produces it (16-bit under autocast, cast to fp32 later)."""
+    return numel * z.ea
+
+
+def _cast_moment(
+    grad_stream: int, numel: int, z: _Shape, before: Moment, copy: int
+) -> list[Moment]:
+    """Under autocast, the moment a 16-bit weight gradient is cast to fp32 for the fp32 weight.
+
+    The matmul's backward node has finished, so the weight's 16-bit copy (``copy`` bytes) is
+    already freed; its input gradient (part of ``grad_stream``) is alive.
+    """
+    if not z.amp:
+        return []
+    return [
+        Moment(
+            grad_stream + numel * (2 + FP32),
+            before.released,
+            before.grads_done,
+            before.copies_released + copy,
+        )
+    ]
+
+
+def _encoder_stages(m: ModelInfo, z: _Shape, attn: str, gc: bool) -> list[Stage]:
+    """BERT (BertForSequenceClassification) as stages, following modeling_bert.py."""
+    c = m.config
+    h, a, inter, layers = (
+        c["hidden_size"],
+        c["num_attention_heads"],
+        c["intermediate_size"],
+        c["num_hidden_layers"],
+    )
+    vocab, positions = c["vocab_size"], c["max_position_embeddings"]
+    labels = len(c.get("id2label") or {}) or c.get("num_labels") or 2
+    p_hidden, p_attn = c.get("hidden_dropout_prob", 0.0), c.get("attention_probs_dropout_prob", 0.0)
+    p_cls = c.get("classifier_dropout") or p_hidden
+    t, b, s, ea, dev = z.t, z.b, z.s, z.ea, z.dev
+    th, ti = t * h, t * inter
+    scores = b * a * s * s
+    # Attention probabilities: CPU autocast runs softmax in 16 bits, CUDA autocast in fp32.
+    es = FP32 if (z.amp and dev == "cuda") else ea
+    eq = ea  # q, k, v copies kept by the score matmuls
+    # SDPA keeps no a·s^2 tensor, except on the CPU with dropout: there it runs the math
+    # kernel, which keeps what eager keeps but computes in fp32 (it upcasts 16-bit inputs).
+    math_sdpa = attn == "sdpa" and dev == "cpu" and p_attn > 0
+    fused = attn == "sdpa" and not math_sdpa
+    if math_sdpa:
+        es = eq = FP32
+    g = FP32 * th  # the residual stream's gradient, fp32, alive through each layer's backward
+    stages: list[Stage] = []
+
+    emb = Stage("embed", grads=FP32 * m.stage_numel("embed"))
+    emb.saved = {
+        "embedding sum (LayerNorm input)": FP32 * th,
+        "LayerNorm mean, 1/std": 2 * FP32 * t,
+        "token-type ids": INT64 * s,
+    }
+    if p_hidden > 0:
+        emb.saved["dropout mask"] = th * _mask(FP32, dev)
+    if z.amp and not gc:  # not kept by the casting q/k/v; BertModel.forward holds it
+        emb.forward_only["embedding output"] = FP32 * th
+    # embedding_dense_backward makes a full-size gradient for each embedding table
+    emb.backward = [Moment(temp=2 * g + FP32 * max(vocab, positions) * h)]
+    stages.append(emb)
+
+    for i in range(layers):
+        name = f"L{i}.attn"
+        at = Stage(
+            name,
+            grads=FP32 * m.stage_numel(name),
+            copies=2 * m.stage_numel(name, cast_only=True) if z.amp else 0,
+        )
+        if z.amp:
+            at.saved["q/k/v input casts (3 x 16-bit)"] = 3 * 2 * th
+        else:
+            at.saved["layer input (q/k/v input)"] = FP32 * th
+        if fused:
+            at.saved["q, k, v"] = 3 * ea * th
+            at.saved["attention output"] = ea * th
+            at.saved["log-sum-exp"] = b * a * (s if dev == "cpu" else 32 * math.ceil(s / 32)) * FP32
+        else:
+            at.saved["q, k, v contiguous copies (matmul)"] = 3 * eq * th
+            at.saved["attention probabilities"] = es * scores
+            if p_attn > 0:
+                at.saved["attention dropout mask"] = _mask(es, dev) * scores
+                at.saved["dropped probabilities"] = (es if math_sdpa else ea) * scores
+            at.saved["context (.contiguous(), dense input)"] = ea * th
+        if p_hidden > 0:
+            at.saved["output dropout mask"] = _mask(ea, dev) * th
+        at.saved["residual sum (LayerNorm input)"] = FP32 * th
+        at.saved["LayerNorm mean, 1/std"] = 2 * FP32 * t
+        at.transient = {"output dropout result": ea * th, "LayerNorm output": FP32 * th}
+        if z.amp:
+            at.transient["layer input (residual)"] = FP32 * th
+        ln = FP32 * th + 2 * FP32 * t + (_mask(ea, dev) * th if p_hidden > 0 else 0)
+        o_copy = 2 * (h * h + h) if z.amp else 0
+        w = _weight_grad(h * h, z)
+        ln_grads = FP32 * 2 * h
+        o_grads = ln_grads + FP32 * (h * h + h)
+        first = Moment(g + 2 * ea * th + w, released=ln, grads_done=ln_grads)
+        at.backward = [first, *_cast_moment(g + ea * th, h * h, z, first, o_copy)]
+        if fused:  # the kernel's backward: gradients of q, k, v at once
+            at.backward.append(
+                Moment(
+                    g + ea * th + 3 * ea * th,
+                    released=ln,
+                    grads_done=o_grads,
+                    copies_released=o_copy,
+                )
+            )
+            inputs = ("layer input (q/k/v input)", "q/k/v input casts (3 x 16-bit)")
+            qkv_released = sum(v for k, v in at.saved.items() if k not in inputs)
+        else:
+            p = at.saved.get("attention dropout mask", 0)
+            dropped = at.saved.get("dropped probabilities", 0)
+            probs = at.saved["attention probabilities"]
+            ctx = ea * th
+            at.backward += [
+                # bmm(probs, v) backward: gradient of the (dropped) probabilities and of v
+                Moment(
+                    g + (FP32 if math_sdpa else ea) * th + es * scores + eq * th,
+                    released=ln + ctx,
+                    grads_done=o_grads,
+                    copies_released=o_copy,
+                ),
+                # dropout and softmax backward: two score-sized gradients
+                Moment(
+                    g + eq * th + 2 * es * scores,
+                    released=ln + ctx + dropped + eq * th,
+                    grads_done=o_grads,
+                    copies_released=o_copy,
+                ),
+                # bmm(q, k^T) backward: gradient of the scores, of q and of k
+                Moment(
+                    g + 3 * eq * th + es * scores,
+                    released=ln + ctx + dropped + eq * th + p + probs,
+                    grads_done=o_grads,
+                    copies_released=o_copy,
+                ),
+            ]
+            qkv_released = ln + ctx + dropped + 3 * eq * th + p + probs
+        # q, k, v projections' backward: three input gradients summed, one weight gradient
+        at.backward.append(
+            Moment(
+                g + 3 * eq * th + ea * th + w,
+                released=qkv_released,
+                grads_done=o_grads,
+                copies_released=o_copy,
+            )
+        )
+
+        name = f"L{i}.mlp"
+        mlp = Stage(
+            name,
+            grads=FP32 * m.stage_numel(name),
+            copies=2 * m.stage_numel(name, cast_only=True) if z.amp else 0,
+        )
+        if z.amp:
+            mlp.saved["intermediate input cast"] = 2 * th
+        else:
+            mlp.saved["intermediate input (attention LayerNorm output)"] = FP32 * th
+        mlp.saved["GELU input"] = ea * ti
+        mlp.saved["GELU output"] = ea * ti
+        if p_hidden > 0:
+            mlp.saved["output dropout mask"] = _mask(ea, dev) * th
+        mlp.saved["residual sum (LayerNorm input)"] = FP32 * th
+        mlp.saved["LayerNorm mean, 1/std"] = 2 * FP32 * t
+        mlp.transient = {"output dropout result": ea * th, "layer output": FP32 * th}
+        if z.amp:
+            mlp.transient["attention LayerNorm output (residual)"] = FP32 * th
+            mlp.transient["layer input (encoder loop variable)"] = FP32 * th
+        w = _weight_grad(h * inter, z)
+        out_copy = 2 * (inter * h + h) if z.amp else 0
+        first = Moment(g + ea * th + ea * ti + w, released=ln, grads_done=ln_grads)
+        mlp.backward = [
+            first,
+            *_cast_moment(g + ea * ti, h * inter, z, first, out_copy),
+            # GELU backward's input gradient stays until the next node is done with its output
+            Moment(
+                g + ea * th + 2 * ea * ti + w,
+                released=ln + 2 * ea * ti,
+                grads_done=FP32 * (inter * h + 3 * h),
+                copies_released=out_copy,
+            ),
+        ]
+        if gc:
+            at.region = mlp.region = i
+            at.checkpoint_input = FP32 * th
+            at.input_in_saved = not z.amp  # under autocast the layer keeps 16-bit casts instead
+            # At the end of a recomputation the layer's LayerNorm output and the dropout result
+            # that feeds it are alive (and under autocast the attention LayerNorm output, the
+            # residual, that no one saves); the recomputed output itself is then dropped.
+            mlp.recompute_transient = FP32 * th + ea * th + (FP32 * th if z.amp else 0)
+        stages += [at, mlp]
+
+    head = Stage(
+        "head",
+        grads=FP32 * m.stage_numel("head"),
+        copies=2 * m.stage_numel("head", cast_only=True) if z.amp else 0,
+    )
+    small = b * h
+    if z.amp:
+        head.saved["pooler input cast (token 0)"] = 2 * small
+        head.forward_only["last hidden state (held by the output)"] = FP32 * th
+    else:  # hidden[:, 0] is a view: the pooler's matmul keeps the whole tensor alive
+        head.saved["last hidden state (the pooler keeps a view of it)"] = FP32 * th
+    head.saved["pooler tanh output"] = ea * small
+    if p_cls > 0:
+        head.saved["classifier dropout mask"] = _mask(ea, dev) * small
+    head.saved["classifier input"] = ea * small
+    head.backward = [Moment(temp=g + 3 * ea * small)]  # select's backward: zeros(b, s, h)
+    loss = Stage("loss", saved={"log-softmax": FP32 * b * labels, "loss scalars": 8})
+    loss.backward = [Moment(temp=2 * FP32 * b * labels)]
+    return stages + [head, loss]
+
+
+def _decoder_stages(m: ModelInfo, z: _Shape, attn: str, gc: bool) -> list[Stage]:
+    """Llama-style decoders (Llama, Mistral, Qwen2) and Mixtral's MoE, as stages."""
+    c = m.config
+    h, a, layers, vocab = (
+        c["hidden_size"],
+        c["num_attention_heads"],
+        c["num_hidden_layers"],
+        c["vocab_size"],
+    )
+    kv = c.get("num_key_value_heads") or a
+    d = c.get("head_dim") or h // a
+    p_attn = c.get("attention_dropout", 0.0) or 0.0
+    t, b, s, ea, dev = z.t, z.b, z.s, z.ea, z.dev
+    th, tq, tkv = t * h, t * a * d, t * kv * d
+    scores = b * a * s * s
+    use_cache = bool(c.get("use_cache", True)) and not gc
+    # SDPA on the CPU with attention dropout runs the math kernel: like eager, but it upcasts
+    # q, k, v to fp32, repeats k and v itself, and builds the causal mask internally.
+    math_sdpa = attn == "sdpa" and dev == "cpu" and p_attn > 0
+    fused = attn == "sdpa" and not math_sdpa
+    eager_mask = FP32 * b * s * s if attn == "eager" else 0
+    g = FP32 * th  # the residual stream's gradient, fp32
+    stages: list[Stage] = []
+
+    emb = Stage("embed", grads=0 if m.tied else FP32 * m.stage_numel("embed"))
+    emb.saved["rotary cos, sin"] = 2 * FP32 * s * d
+    if gc:  # the checkpoints keep the layers' arguments
+        emb.saved["causal mask (checkpoint argument)"] = eager_mask
+        emb.saved["position ids"] = INT64 * s
+    if m.tied:  # the head's gradient for the shared weight, this one, and their sum
+        emb.backward = [Moment(temp=g + 2 * FP32 * vocab * h)]
+    else:  # embedding_dense_backward: a full-size gradient
+        emb.backward = [Moment(temp=g + FP32 * vocab * h)]
+    stages.append(emb)
+
+    def rmsnorm(stage: Stage, label: str) -> None:
+        stage.saved[f"{label} input (residual stream)"] = FP32 * th
+        stage.saved[f"{label} 1/rms"] = FP32 * t
+        stage.saved[f"{label} normalised"] = FP32 * th
+
+    for i in range(layers):
+        name = f"L{i}.attn"
+        at = Stage(
+            name,
+            grads=FP32 * m.stage_numel(name),
+            copies=2 * m.stage_numel(name, cast_only=True) if z.amp else 0,
+        )
+        rmsnorm(at, "input RMSNorm")
+        if z.amp:
+            at.saved["q/k/v input casts (3 x 16-bit)"] = 3 * 2 * th
+        else:
+            at.saved["input RMSNorm output (q/k/v input)"] = FP32 * th
+        cache_saved = False
+        if fused:
+            if z.amp:
+                at.saved["q, k, v 16-bit casts"] = 2 * (tq + 2 * tkv)
+            else:
+                at.saved["q (after RoPE)"] = FP32 * tq
+                at.saved["k, v" + (" (the KV-cache tensors)" if use_cache else "")] = 2 * FP32 * tkv
+                cache_saved = use_cache
+            at.saved["attention output"] = ea * tq
+            at.saved["log-sum-exp"] = FP32 * b * a * (s if dev == "cpu" else 32 * math.ceil(s / 32))
+        else:
+            if math_sdpa:
+                at.saved["q scaled, k, v repeated (fp32, math kernel)"] = 3 * FP32 * tq
+            elif z.amp:
+                at.saved["q, k, v 16-bit copies (k, v repeated to all heads)"] = 3 * 2 * tq
+            elif a // kv > 1 or not use_cache:
+                at.saved["q, k, v copies (matmul; k, v repeated to all heads)"] = 3 * FP32 * tq
+            else:  # MHA reading the contiguous cache tensors: only q is copied
+                at.saved["q copy (matmul)"] = FP32 * tq
+                at.saved["k, v (the KV-cache tensors)"] = 2 * FP32 * tkv
+                cache_saved = True
+            at.saved["attention probabilities (fp32 softmax)"] = FP32 * scores
+            if p_attn > 0:
+                at.saved["attention dropout mask"] = _mask(FP32, dev) * scores
+            if z.amp and not math_sdpa:  # the matmul with v keeps a 16-bit copy
+                at.saved["attention probabilities 16-bit copy"] = 2 * scores
+            elif p_attn > 0:
+                at.saved["dropped probabilities"] = FP32 * scores
+            at.saved["context (o_proj input)"] = ea * tq
+        if use_cache and not cache_saved:
+            at.forward_only["KV cache (fp32, held by the model output)"] = 2 * FP32 * tkv
+        at.transient = {"o_proj output": ea * th, "residual sum": FP32 * th}
+        if not fused:
+            at.transient["masked scores (softmax input)"] = FP32 * scores
+            if not gc:
+                at.transient["causal mask"] = eager_mask
+        keep = (
+            at.saved["input RMSNorm input (residual stream)"]
+            + at.saved["input RMSNorm 1/rms"]
+            + at.saved["input RMSNorm normalised"]
+        )
+        o_copy = 2 * m.numel_named(name, "o_proj") if z.amp else 0
+        w = _weight_grad(h * a * d, z)
+        o_grads = FP32 * m.numel_named(name, "o_proj")
+        ctx = ea * tq
+        first = Moment(g + (2 * th if z.amp else 0) + ea * tq + w)
+        at.backward = [first, *_cast_moment(g + ea * tq, h * a * d, z, first, o_copy)]
+        if fused:  # the kernel's backward: gradients of q, k, v at once
+            at.backward.append(
+                Moment(
+                    g + ea * tq + ea * (tq + 2 * tkv),
+                    released=0,
+                    grads_done=o_grads,
+                    copies_released=o_copy,
+                )
+            )
+        else:
+            qkv = sum(
+                v for k, v in at.saved.items() if k.startswith(("q,", "q copy", "k, v", "q s"))
+            )
+            probs = sum(v for k, v in at.saved.items() if "probabilities" in k or "mask" in k)
+            eg = FP32 if math_sdpa else ea  # the math kernel's gradients are fp32
+            at.backward += [
+                # bmm(probs, v) backward: gradients of the probabilities and of v
+                Moment(
+                    g + ea * tq + eg * scores + eg * tq,
+                    released=ctx,
+                    grads_done=o_grads,
+                    copies_released=o_copy,
+                ),
+                # softmax backward in fp32 (under autocast after casting the gradient up)
+                Moment(
+                    g + eg * tq + 2 * FP32 * scores,
+                    released=ctx + qkv // 3,
+                    grads_done=o_grads,
+                    copies_released=o_copy,
+                ),
+                # bmm(q, k^T) backward: gradients of the scores, q and k
+                Moment(
+                    g + 3 * eg * tq + eg * scores,
+                    released=ctx + qkv // 3 + probs,
+                    grads_done=o_grads,
+                    copies_released=o_copy,
+                ),
+            ]
+        # RoPE runs in fp32: q and k gradients in fp32, then the projections' backward
+        at.backward += [
+            Moment(
+                g + FP32 * (tq + 2 * tkv) + ea * th + w,
+                released=sum(at.saved.values())
+                - keep
+                - at.saved.get("input RMSNorm output (q/k/v input)", 0)
+                - at.saved.get("q/k/v input casts (3 x 16-bit)", 0),
+                grads_done=o_grads,
+                copies_released=o_copy,
+            ),
+            Moment(
+                4 * g,
+                released=sum(at.saved.values()) - keep,
+                grads_done=at.grads - FP32 * h,
+                copies_released=at.copies,
+            ),
+        ]
+        stages.append(at)
+        stages.append((_moe_stage if m.family == "moe" else _mlp_stage)(m, z, i, rmsnorm))
+        if gc:
+            stages[-2].region = stages[-1].region = i
+            stages[-2].checkpoint_input = FP32 * th
+            # The post-attention residual sum is computed in the decoder layer's own forward,
+            # outside any submodule: the tracker labels its recomputation a temporary.
+            stages[-1].recompute_temp = FP32 * th
+            # Recomputation stops once the last saved tensor is rebuilt; under autocast the
+            # post-attention RMSNorm output (not saved: the MLP keeps 16-bit casts) is still
+            # held by the decoder layer at that point.
+            stages[-1].recompute_transient += FP32 * th if z.amp else 0
+
+    head = Stage(
+        "head",
+        copies=2 * (m.stage_numel("head", cast_only=True) + (vocab * h if m.tied else 0))
+        if z.amp
+        else 0,
+    )
+    head.grads = FP32 * m.stage_numel("head")
+    if m.tied:  # the shared weight's gradient stays a temporary until the embedding adds its own
+        head.pending_grads = FP32 * vocab * h
+    rmsnorm(head, "final RMSNorm")
+    if z.amp:
+        head.saved["lm_head input cast"] = 2 * th
+        head.forward_only["final RMSNorm output (held by the model output)"] = FP32 * th
+    else:
+        head.saved["final RMSNorm output (lm_head input)"] = FP32 * th
+    head.forward_only["logits (held by the model output)"] = ea * t * vocab
+    lm_copy = 2 * vocab * h if z.amp else 0
+    first = Moment(
+        FP32 * t * vocab + (2 * t * vocab if z.amp else 0) + ea * th + _weight_grad(vocab * h, z)
+    )
+    head.backward = [
+        first,
+        *_cast_moment(ea * th, vocab * h, z, first, lm_copy),
+        Moment(4 * g, grads_done=FP32 * vocab * h, copies_released=head.copies),
+    ]
+    loss = Stage("loss", saved={"log-softmax (fp32)": FP32 * t * vocab, "loss scalars": 8})
+    loss.forward_only = {"labels, padded and shifted": INT64 * (b * (s + 1) + t)}
+    if z.amp:
+        loss.transient = {"logits upcast to fp32 by the loss": FP32 * t * vocab}
+    loss.backward = [Moment(temp=2 * FP32 * t * vocab)]  # nll grad + log-softmax grad
+    return stages + [head, loss]
+
+
+def _mlp_stage(m: ModelInfo, z: _Shape, i: int, rmsnorm) -> Stage:
+    """Post-attention RMSNorm + SwiGLU MLP (gate, up, down) + residual sum."""
+    h, inter = m.config["hidden_size"], m.config["intermediate_size"]
+    t, ea = z.t, z.ea
+    th, ti = t * h, t * inter
+    g = FP32 * th
+    name = f"L{i}.mlp"
+    st = Stage(
+        name,
+        grads=FP32 * m.stage_numel(name),
+        copies=2 * m.stage_numel(name, cast_only=True) if z.amp else 0,
+    )
+    rmsnorm(st, "post-attention RMSNorm")
+    if z.amp:
+        st.saved["gate/up input casts (2 x 16-bit)"] = 2 * 2 * th
+    else:
+        st.saved["post-attention RMSNorm output (gate/up input)"] = FP32 * th
+    st.saved["gate, SiLU(gate), up, product"] = 4 * ea * ti
+    st.transient = {"down_proj output": ea * th, "residual sum (layer output)": FP32 * th}
+    w = _weight_grad(h * inter, z)
+    down = 2 * m.numel_named(name, "down_proj") if z.amp else 0
+    down_grads = FP32 * m.numel_named(name, "down_proj")
+    first = Moment(g + (2 * th if z.amp else 0) + ea * ti + w)
+    st.backward = [
+        first,
+        *_cast_moment(g + ea * ti, h * inter, z, first, down),
+        # product's backward: gradients of SiLU(gate) and of up
+        Moment(g + 3 * ea * ti, released=ea * ti, grads_done=down_grads, copies_released=down),
+        # gate and up projections' backward (one input gradient at a time)
+        Moment(
+            g + 2 * ea * ti + ea * th + w,
+            released=4 * ea * ti,
+            grads_done=down_grads,
+            copies_released=down,
+        ),
+        Moment(
+            4 * g, released=4 * ea * ti, grads_done=st.grads - FP32 * h, copies_released=st.copies
+        ),
+    ]
+    return st
+
+
+def _moe_stage(m: ModelInfo, z: _Shape, i: int, rmsnorm) -> Stage:
+    """Post-attention RMSNorm + Mixtral's sparse MoE block (grouped-matmul experts)."""
+    c = m.config
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    experts, k = c["num_local_experts"], c["num_experts_per_tok"]
+    if c.get("_experts_implementation") not in (None, "grouped_mm"):
+        raise ValueError("the MoE estimate follows the grouped_mm experts (transformers' default)")
+    t = z.t
+    th, routed = t * h, t * k  # every token goes to k experts
+    g = FP32 * th
+    name = f"L{i}.mlp"
+    st = Stage(
+        name,
+        grads=FP32 * m.stage_numel(name),
+        copies=2 * m.stage_numel(name, cast_only=True) if z.amp else 0,
+    )
+    rmsnorm(st, "post-attention RMSNorm")
+    if z.amp:
+        st.saved["router input cast"] = 2 * th
+    else:
+        st.saved["post-attention RMSNorm output (router input)"] = FP32 * th
+    st.saved["router probabilities (fp32 softmax)"] = FP32 * t * experts
+    st.saved["top-k indices, weights, weight sums"] = t * k * (INT64 + FP32) + FP32 * t
+    st.saved["sort order, token index, inverse order"] = 3 * INT64 * routed
+    st.saved["routed token copies (fp32: grouped_mm is not autocast)"] = FP32 * routed * h
+    st.saved["routing weights (sorted)"] = FP32 * routed + FP32 * experts
+    st.saved["gate/up output"] = FP32 * routed * 2 * inter
+    st.saved["SiLU(gate), product"] = 2 * FP32 * routed * inter
+    st.saved["expert output"] = FP32 * routed * h
+    st.transient = {
+        "weighted and reordered expert outputs": 2 * FP32 * routed * h,
+        "residual sum (layer output)": FP32 * th,
+    }
+    # Recomputation stops after the last saved tensor; the weighted expert outputs, the
+    # sorted ids and the histogram input are alive at that point.
+    st.recompute_transient = FP32 * routed * h + INT64 * routed + FP32 * routed + FP32 * t * experts
+    gate_up, down = experts * 2 * inter * h, experts * h * inter
+    ri = FP32 * routed * inter
+    st.backward = [
+        # down projection's backward: weighted-output and expert-output gradients, its input
+        # gradient and the stacked weight's gradient
+        Moment(g + 2 * FP32 * routed * h + ri + FP32 * down),
+        Moment(g + 3 * ri, released=ri, grads_done=FP32 * down),  # product's backward
+        Moment(g + 4 * ri, released=2 * ri, grads_done=FP32 * down),  # chunk: gradients cat
+        # gate/up projection's backward: concatenated gradient, input gradient, weight gradient
+        Moment(
+            g + 2 * ri + FP32 * routed * h + FP32 * gate_up, released=4 * ri, grads_done=FP32 * down
+        ),
+        Moment(4 * g, released=4 * ri, grads_done=st.grads - FP32 * h, copies_released=st.copies),
+    ]
+    return st
+
+
+# --------------------------------------------------------------------------------------------
+# The step, moment by moment
+
+
+@dataclass
+class Estimate:
+    """Predicted bytes per category (the measure contract) and where the peak falls."""
+
+    n_params: int
+    params: int
+    buffers: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    temporaries: int
+    weight_copies: int
+    peak: int
+    peak_at: str  # "forward: ...", "backward: <stage>", "optimizer step"
+    layer_activations: dict[str, int] = field(default_factory=dict)  # one layer, labelled
+    paper_layer_bytes: int = 0  # Korthikanti et al.'s s·b·h·(34 + 5as/h) for one layer
+
+    def as_dict(self) -> dict:
+        """Plain dict for records and JSON."""
+        return asdict(self)
+
+
+def _simulate(stages: list[Stage], base: int, grads_all: int, accumulate: bool, opt_temp: int):
+    """Walk forward, backward and the optimizer step; return category maxima and the peak."""
+    act_max = temp_max = copies_max = 0
+    peak, where = 0, ""
+
+    def seen(total: int, label: str) -> None:
+        nonlocal peak, where
+        if total > peak:
+            peak, where = total, label
+
+    grads0 = grads_all if accumulate else 0  # later micro-batches find every gradient there
+    # Forward: saved tensors pile up; checkpointed layers keep their input only (and free
+    # their intermediates as they go, so only the stage's transients are added).
+    kept = fwd_only = copies = 0
+    for st in stages:
+        full = sum(st.saved.values())
+        extra = sum(st.transient.values())
+        if st.region is None:
+            here = kept + full + extra
+        else:
+            here = kept + st.checkpoint_input + extra
+        here += fwd_only + sum(st.forward_only.values())
+        copies += st.copies
+        act_max = max(act_max, here)
+        copies_max = max(copies_max, copies)
+        seen(base + grads0 + here + copies, f"forward: {st.name}")
+        kept += st.checkpoint_input if st.region is not None else full
+        fwd_only += sum(st.forward_only.values())
+    temp_max = max(temp_max, copies)
+    # Backward: stages in reverse; a checkpointed layer is recomputed when backward reaches it.
+    act = kept
+    copies = sum(st.copies for st in stages if st.region is None)  # autocast's cache is gone
+    grads = grads0
+    recomputed: set[int] = set()
+    pending = 0  # a tied weight's first gradient, a temporary until the second one is added
+    for st in reversed(stages):
+        rtemp = st.recompute_temp if st.region is not None else 0
+        if st.region is not None and st.region not in recomputed:
+            recomputed.add(st.region)
+            region = [x for x in stages if x.region == st.region]
+            act += sum(sum(x.saved.values()) - x.recompute_temp for x in region)
+            act -= sum(x.checkpoint_input for x in region if x.input_in_saved)
+            copies += sum(x.copies for x in region)
+            act_max = max(act_max, act + st.recompute_transient)
+            copies_max = max(copies_max, copies)
+        for mom in st.backward or [Moment(0)]:
+            done = 0 if accumulate else mom.grads_done
+            temp = copies - mom.copies_released + mom.temp + rtemp + pending
+            temp_max = max(temp_max, temp)
+            seen(base + grads + done + act - mom.released + temp, f"backward: {st.name}")
+        act -= sum(st.saved.values()) - rtemp
+        if st.region is not None and not st.input_in_saved:
+            act -= st.checkpoint_input
+        copies -= st.copies
+        grads += 0 if accumulate else st.grads
+        if st.pending_grads and not accumulate:  # with accumulation p.grad already exists
+            pending = st.pending_grads
+        elif st.name == "embed" and pending:
+            grads += 0 if accumulate else pending
+            pending = 0
+    temp_max = max(temp_max, opt_temp)
+    seen(base + grads_all + opt_temp, "optimizer step")
+    return act_max, temp_max, copies_max, peak, where
+
+
+def estimate(
+    model,
+    batch_size: int,
+    seq_len: int,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    gradient_checkpointing: bool = False,
+    attn: str = "eager",
+    grad_accum: int = 1,
+    device: str | torch.device | None = None,
+) -> Estimate:
+    """Predicted per-category bytes of one steady-state training step (see the module doc).
+
+    ``model`` is a bundled name, a config JSON path, a dict, a transformers config or a
+    ``ModelInfo`` from ``describe_model`` (reuse one to estimate many settings quickly).
+    ``device`` (default: ``helpers.scale.default_device()``) picks CPU or CUDA behaviour.
+    """
+    from helpers.scale import default_device
+
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"unknown precision {precision!r}: use fp32, tf32, bf16 or fp16")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+    if attn not in ("eager", "sdpa"):
+        raise ValueError(f"unknown attention {attn!r}: use eager or sdpa")
+    if batch_size < 1 or seq_len < 1 or grad_accum < 1:
+        raise ValueError("batch size, sequence length and accumulation must be positive")
+    info = describe_model(model, attn)
+    limit = info.config.get("max_position_embeddings")
+    if limit and seq_len > limit:
+        raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings ({limit})")
+    dev = torch.device(device) if device is not None else default_device()
+    amp = precision in AUTOCAST
+    z = _Shape(b=batch_size, s=seq_len, ea=PRECISION_BYTES[precision], amp=amp, dev=dev.type)
+    build = _encoder_stages if info.family == "encoder" else _decoder_stages
+    stages = build(info, z, attn, gradient_checkpointing)
+    trainable = [p for p in info.params if p.trainable]
+    params = FP32 * info.n_params
+    grads = FP32 * info.n_trainable
+    state = optimizer_state_bytes(optimizer, trainable)
+    opt_temp = optimizer_step_temporaries(optimizer, trainable, dev.type)
+    base = params + info.buffer_bytes + state
+    act, temp, copies, peak, where = _simulate(stages, base, grads, grad_accum > 1, opt_temp)
+    layer = {}
+    for st in stages:
+        if st.name.startswith("L0."):
+            layer.update({f"{st.name[3:]}: {k}": v for k, v in st.saved.items()})
+    c = info.config
+    h, a = c["hidden_size"], c["num_attention_heads"]
+    paper = 34 * seq_len * batch_size * h + 5 * a * seq_len * seq_len * batch_size
+    return Estimate(
+        n_params=info.n_params,
+        params=params,
+        buffers=info.buffer_bytes,
+        gradients=grads,
+        optimizer_state=state,
+        activations=act,
+        temporaries=temp,
+        weight_copies=copies,
+        peak=peak,
+        peak_at=where,
+        layer_activations=layer,
+        paper_layer_bytes=paper,
+    )
+
+
+def estimate_run(cfg) -> Estimate:
+    """``estimate`` for a ``helpers.train.RunConfig`` (the same fields ``measure`` reads)."""
+    return estimate(
+        cfg.model,
+        cfg.batch_size,
+        cfg.seq_len,
+        precision=cfg.precision,
+        optimizer=cfg.optimizer,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        attn=cfg.attn,
+        grad_accum=cfg.grad_accum,
+        device=cfg.device,
+    )

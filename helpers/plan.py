@@ -1,0 +1,445 @@
+"""Find the fastest training configuration that fits a memory budget.
+
+Three steps, each a function returning dataclasses (the CLI ``python -m helpers plan`` only
+prints them):
+
+1. ``candidates``: every combination of micro-batch x accumulation (their product is the
+   effective batch), gradient checkpointing, precision, optimizer and attention, each with the
+   estimator's predicted peak (``helpers.estimate``, arithmetic only) and whether it fits.
+2. ``shortlist``: the fitting ones ranked by a rough predicted cost; the cheapest few are
+   worth measuring.
+3. ``measure_candidate``: a short timed run on this machine, in a fresh process, plus one
+   tracked step for the measured peak (the budget is enforced there, so a misestimate shows
+   up as an out-of-memory result instead of a wrong answer).
+
+``plan`` runs the three and says which configuration won and why.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from helpers.estimate import Estimate, describe_model, estimate
+from helpers.memory import CategoryTracker
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+DEFAULT_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")  # SGD is not a drop-in for transformers
+ATTENTION = ("eager", "sdpa")
+GC_COST = 4 / 3  # checkpointing repeats the forward: (1 + 1 + 2) / (1 + 2) of a step's FLOPs
+MICRO_BATCH_OVERHEAD_TOKENS = 128  # fixed cost of a micro-batch (launches, Python), in tokens
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kb": 2**10,
+    "kib": 2**10,
+    "m": 2**20,
+    "mb": 2**20,
+    "mib": 2**20,
+    "g": 2**30,
+    "gb": 2**30,
+    "gib": 2**30,
+    "t": 2**40,
+    "tb": 2**40,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """``"16GB"``, ``"16 GiB"``, ``"512MiB"``, ``"1e9"`` -> bytes (GB and GiB both mean 2**30,
+    as GPU memory is quoted: a "16 GB" card has 16 GiB)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size: use e.g. 16GB, 512MiB or a byte count")
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"a size must be positive, got {text!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration and what the estimator predicts for it."""
+
+    micro_batch: int
+    grad_accum: int
+    gradient_checkpointing: bool
+    precision: str
+    optimizer: str
+    attn: str
+    estimated_peak: int
+    fits: bool
+    cost: float  # rough relative time per optimizer step (only to choose what to measure)
+    estimate: Estimate | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def label(self) -> str:
+        """A short description, e.g. ``mb4 x ga2, bf16, adamw, sdpa, checkpointing``."""
+        parts = [
+            f"mb{self.micro_batch} x ga{self.grad_accum}",
+            self.precision,
+            self.optimizer,
+            self.attn,
+        ] + (["checkpointing"] if self.gradient_checkpointing else [])
+        return ", ".join(parts)
+
+    def run_config(self, model, seq_len: int, device: str | None = None, **extra):
+        """The ``helpers.train.RunConfig`` that trains this candidate."""
+        from helpers.train import RunConfig
+
+        return RunConfig(
+            model=model,
+            batch_size=self.micro_batch,
+            seq_len=seq_len,
+            precision=self.precision,
+            optimizer=self.optimizer,
+            gradient_checkpointing=self.gradient_checkpointing,
+            attn=self.attn,
+            grad_accum=self.grad_accum,
+            device=device,
+            label=self.label,
+            **extra,
+        )
+
+
+@dataclass
+class Measurement:
+    """A short measured run of a candidate on this machine."""
+
+    candidate: Candidate
+    step_time: float | None = None  # median seconds per optimizer step
+    samples_per_s: float | None = None
+    measured_peak: int | None = None  # largest tracked total of one step (None: not tracked)
+    error: str | None = None  # why it did not run (e.g. out of memory under the budget)
+
+    @property
+    def ok(self) -> bool:
+        """True when the run finished."""
+        return self.error is None
+
+
+@dataclass
+class Plan:
+    """The search and its answer."""
+
+    model: str
+    budget: int
+    effective_batch: int
+    seq_len: int
+    device: str
+    weights: int  # bytes of parameters and buffers alone
+    considered: int  # candidates estimated
+    fitting: list[Candidate]  # estimated to fit, cheapest predicted first
+    measured: list[Measurement]  # fastest first; failed runs last
+    best: Measurement | None
+    runner_up: Measurement | None
+    reason: str
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def device_present(device: torch.device) -> bool:
+    """True when ``device`` exists on this machine (the CPU always does)."""
+    if device.type == "cpu":
+        return True
+    return (
+        torch.accelerator.is_available()
+        and torch.accelerator.current_accelerator().type == device.type
+    )
+
+
+def available_precisions(device: torch.device) -> list[str]:
+    """Precisions ``device`` can train in (all of them when it is not here to be asked)."""
+    from helpers.hardware import precision_problem
+
+    if not device_present(device):
+        return list(PRECISIONS)
+    return [p for p in PRECISIONS if precision_problem(p, device) is None]
+
+
+def available_optimizers(names=DEFAULT_OPTIMIZERS) -> list[str]:
+    """``names`` minus 8-bit AdamW when bitsandbytes is not installed."""
+    import importlib.util
+
+    have_bnb = importlib.util.find_spec("bitsandbytes") is not None
+    return [o for o in names if o != "adamw8bit" or have_bnb]
+
+
+def predicted_cost(c: Candidate, seq_len: int, device_type: str) -> float:
+    """Rough relative time of one optimizer step, used only to pick which candidates to time.
+
+    Tokens processed, plus a fixed overhead per micro-batch; x4/3 with checkpointing (one more
+    forward); 16-bit autocast halves matmul time on a GPU with tensor cores but costs extra
+    casts on a CPU without 16-bit arithmetic; SDPA is slightly cheaper than eager attention.
+    """
+    tokens = c.micro_batch * seq_len + MICRO_BATCH_OVERHEAD_TOKENS
+    cost = c.grad_accum * tokens * (GC_COST if c.gradient_checkpointing else 1.0)
+    if c.precision in ("bf16", "fp16"):
+        cost *= 0.5 if device_type == "cuda" else 1.5
+    elif c.precision == "tf32":
+        cost *= 0.7
+    if c.attn == "sdpa":
+        cost *= 0.95
+    return cost
+
+
+def candidates(
+    model,
+    budget: int,
+    effective_batch: int,
+    seq_len: int,
+    device: str | torch.device | None = None,
+    precisions=None,
+    optimizers=None,
+    attentions=ATTENTION,
+    checkpointing=(False, True),
+) -> list[Candidate]:
+    """Every configuration of the search space with its estimated peak; cheapest fitting first."""
+    from helpers.scale import default_device
+
+    dev = torch.device(device) if device is not None else default_device()
+    precisions = list(precisions or available_precisions(dev))
+    optimizers = list(optimizers or available_optimizers())
+    infos = {attn: describe_model(model, attn) for attn in attentions}
+    out = []
+    space = itertools.product(
+        _divisors(effective_batch), checkpointing, precisions, optimizers, attentions
+    )
+    for micro, gc, prec, opt, attn in space:
+        accum = effective_batch // micro
+        est = estimate(infos[attn], micro, seq_len, prec, opt, gc, attn, accum, device=dev)
+        c = Candidate(micro, accum, gc, prec, opt, attn, est.peak, est.peak <= budget, 0.0, est)
+        out.append(replace(c, cost=predicted_cost(c, seq_len, dev.type)))
+    rank = {name: i for i, name in enumerate(optimizers)}  # ties: the order asked for
+    out.sort(key=lambda c: (not c.fits, c.cost, rank[c.optimizer], c.estimated_peak))
+    return out
+
+
+def shortlist(cands: list[Candidate], k: int = 6) -> list[Candidate]:
+    """``k`` fitting candidates worth timing: cheapest predicted first, varied.
+
+    The cost model cannot tell optimizers or attention kernels apart well, so the first pass
+    takes the cheapest candidate of each (precision, optimizer, attention, checkpointing)
+    combination, i.e. its largest micro-batch that fits; remaining slots go by cost.
+    """
+    fitting = [c for c in cands if c.fits]
+    picked, seen = [], set()
+    for c in fitting:
+        key = (c.precision, c.optimizer, c.attn, c.gradient_checkpointing)
+        if key not in seen and len(picked) < k:
+            picked.append(c)
+            seen.add(key)
+    picked += [c for c in fitting if c not in picked][: k - len(picked)]
+    return sorted(picked, key=fitting.index)
+
+
+def _run(cfg, budget: int | None, repeats: int) -> dict:
+    """Time ``repeats`` steps of ``cfg`` after warm-up, then track one step under ``budget``."""
+    from helpers.memory import memory_budget
+    from helpers.timing import time_fn
+    from helpers.train import Trainee
+
+    trainee = Trainee(cfg)
+    device = trainee.device
+    if device.type == "cuda" and budget:
+        with memory_budget(budget, device=device):
+            timing = time_fn(trainee.step, device, warmup=max(1, cfg.warmup), repeats=repeats)
+    else:
+        timing = time_fn(trainee.step, device, warmup=max(1, cfg.warmup), repeats=repeats)
+    tracker = AccumulatingTracker(budget=budget if device.type != "cuda" else None)
+    tracker.track_external(trainee.model, trainee.optimizer)
+    with tracker:
+        trainee.step()
+    return {"step_time": timing.median, "peak": tracker.peaks().peak}
+
+
+class AccumulatingTracker(CategoryTracker):
+    """CategoryTracker that accepts several micro-batches in one tracked step.
+
+    torch's MemTracker refuses a second forward of the root module inside one tracked region;
+    with gradient accumulation that is the normal case, so its per-module statistics (which
+    the course does not use) are reset when the root module starts another forward.
+    """
+
+    def _pre_fw_hook(self, module, inputs):
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            name = self._mod_tracker.get_known_fqn(module)
+            if set(self._mod_tracker.parents) - {name} <= {"Global"}:
+                self.reset_mod_stats()
+        return super()._pre_fw_hook(module, inputs)
+
+
+def measure_candidate(
+    cand: Candidate,
+    model,
+    seq_len: int,
+    budget: int | None = None,
+    repeats: int = 3,
+    device: str | None = None,
+    isolate: bool = True,
+) -> Measurement:
+    """Time a candidate (median of ``repeats`` steps) and track one step's peak under ``budget``."""
+    from helpers.isolate import call_isolated
+
+    cfg = cand.run_config(model, seq_len, device=device, warmup=1, repeats=repeats, flops=False)
+    if isolate:
+        outcome = call_isolated(_run, cfg, budget, repeats)
+        if outcome.error:
+            return Measurement(cand, error=outcome.error)
+        result = outcome.value
+    else:
+        try:
+            result = _run(cfg, budget, repeats)
+        except torch.OutOfMemoryError as err:
+            return Measurement(cand, error=f"OutOfMemoryError: {str(err).splitlines()[0]}")
+    samples = cand.micro_batch * cand.grad_accum
+    return Measurement(
+        cand,
+        step_time=result["step_time"],
+        samples_per_s=samples / result["step_time"],
+        measured_peak=result["peak"],
+    )
+
+
+def plan(
+    model,
+    budget: int,
+    effective_batch: int,
+    seq_len: int | None = None,
+    device: str | None = None,
+    top_k: int = 6,
+    repeats: int = 3,
+    isolate: bool = True,
+    **space,
+) -> Plan:
+    """Search, prune with the estimator, time the ``top_k`` cheapest, explain the fastest.
+
+    ``space`` narrows the search (``precisions``, ``optimizers``, ``attentions``,
+    ``checkpointing``; see ``candidates``). Raises ValueError when the budget cannot hold the
+    weights alone or the effective batch is not positive.
+    """
+    from helpers.scale import default_device, get_scale
+
+    dev = torch.device(device) if device is not None else default_device()
+    if effective_batch < 1:
+        raise ValueError("the effective batch must be positive")
+    if not device_present(dev):
+        raise ValueError(f"device {dev} is not on this machine: the plan times candidates here")
+    seq_len = seq_len or get_scale(device=dev).seq_len
+    info = describe_model(model, "eager")
+    weights = 4 * info.n_params + info.buffer_bytes
+    if budget < weights:
+        raise ValueError(
+            f"a budget of {_fmt(budget)} is below the weights alone ({_fmt(weights)} for "
+            f"{info.n_params:,} fp32 parameters): no configuration can fit"
+        )
+    cands = candidates(model, budget, effective_batch, seq_len, dev, **space)
+    fitting = [c for c in cands if c.fits]
+    measured = [
+        measure_candidate(c, model, seq_len, budget, repeats, device, isolate)
+        for c in shortlist(cands, top_k)
+    ]
+    measured.sort(key=lambda m: (not m.ok, -(m.samples_per_s or 0.0)))
+    ok = [m for m in measured if m.ok]
+    best = ok[0] if ok else None
+    runner = ok[1] if len(ok) > 1 else None
+    name = model if isinstance(model, str) else info.model_type
+    return Plan(
+        str(name),
+        budget,
+        effective_batch,
+        seq_len,
+        str(dev),
+        weights,
+        len(cands),
+        fitting,
+        measured,
+        best,
+        runner,
+        explain(best, runner, cands, budget, measured),
+    )
+
+
+def _fmt(nbytes: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def _variant(cands: list[Candidate], c: Candidate, **changes) -> Candidate | None:
+    """The candidate equal to ``c`` except for ``changes`` (None if the search lacks it)."""
+    want = {
+        "micro_batch": c.micro_batch,
+        "grad_accum": c.grad_accum,
+        "gradient_checkpointing": c.gradient_checkpointing,
+        "precision": c.precision,
+        "optimizer": c.optimizer,
+        "attn": c.attn,
+        **changes,
+    }
+    return next((x for x in cands if all(getattr(x, k) == v for k, v in want.items())), None)
+
+
+def explain(best, runner, cands, budget, measured) -> str:
+    """One paragraph: why the winner won, from the numbers of the search."""
+    if best is None:
+        smallest = min(cands, key=lambda c: c.estimated_peak)
+        if not any(c.fits for c in cands):
+            return (
+                f"No configuration is estimated to fit {_fmt(budget)}: the smallest peak is "
+                f"{_fmt(smallest.estimated_peak)} ({smallest.label}). Raise the budget, "
+                "shorten the sequence, or use a smaller model."
+            )
+        errors = "; ".join(f"{m.candidate.label}: {m.error}" for m in measured)
+        return f"Every measured candidate failed: {errors}"
+    c = best.candidate
+    fit = [x for x in cands if x.fits]
+    text = (
+        f"{c.label} is the fastest of the {len(measured)} configurations timed here "
+        f"({best.samples_per_s:.3g} samples/s), out of {len(fit)} of {len(cands)} estimated "
+        f"to fit {_fmt(budget)}. Its estimated peak is {_fmt(c.estimated_peak)} "
+        f"({100 * c.estimated_peak / budget:.0f}% of the budget"
+    )
+    if best.measured_peak:
+        text += f", measured {_fmt(best.measured_peak)}"
+    text += "). "
+    # Each memory-saving choice of the winner, against the same configuration without it.
+    plain = [  # (what the winner chose, its plain alternative, the change to it)
+        (c.grad_accum > 1, "one micro-batch of the whole batch",
+         {"micro_batch": c.micro_batch * c.grad_accum, "grad_accum": 1}),
+        (c.gradient_checkpointing, "no checkpointing", {"gradient_checkpointing": False}),
+        (c.optimizer != "adamw", "AdamW", {"optimizer": "adamw"}),
+        (c.precision not in ("fp32", "tf32"), "fp32", {"precision": "fp32"}),
+    ]  # fmt: skip
+    needed, optional = [], []
+    for chosen, name, change in plain:
+        other = _variant(cands, c, **change) if chosen else None
+        if other is not None:
+            note = f"{name} ({_fmt(other.estimated_peak)})"
+            (optional if other.fits else needed).append(note)
+    if needed:
+        text += "It needs its memory savings: with " + ", or ".join(needed) + " it would not fit. "
+    if optional:
+        text += "These would fit too but were slower or not timed: " + ", ".join(optional) + ". "
+    if not needed and not optional:
+        text += "The plain setup fits, so no memory-saving technique is needed. "
+    if runner is not None:
+        gap = 100 * (best.samples_per_s / runner.samples_per_s - 1)
+        text += (
+            f"The runner-up, {runner.candidate.label}, reaches "
+            f"{runner.samples_per_s:.3g} samples/s ({gap:.0f}% slower"
+            + (
+                "; within timing noise, run again with more repeats to separate them)."
+                if gap < 10
+                else ")."
+            )
+        )
+    return text

@@ -1,0 +1,166 @@
+"""The planner: pruning by the estimator, a measured winner that fits, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers.cli import main
+from helpers.plan import candidates, parse_bytes, plan, shortlist
+
+MiB, GiB = 2**20, 2**30
+# bert-tiny at sequence length 64: 2.4 MB of fp32 weights, 14.8 MB peak at batch 4 with AdamW.
+# A 12 MiB budget leaves some configurations in and pushes others out.
+MODEL, SEQ, BATCH, BUDGET = "bert-tiny", 64, 8, 12 * MiB
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("16GB", 16 * GiB),
+        ("16 GiB", 16 * GiB),
+        ("512MiB", 512 * MiB),
+        ("1e9", 10**9),
+        ("64mb", 64 * MiB),
+        ("1.5G", int(1.5 * GiB)),
+        ("4096", 4096),
+    ],
+)
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "16XB", "-5GB", "0", "GB16"])
+def test_parse_bytes_refuses_nonsense(text):
+    with pytest.raises(ValueError):
+        parse_bytes(text)
+
+
+@pytest.fixture(scope="module")
+def cands():
+    return candidates(MODEL, BUDGET, BATCH, SEQ, device="cpu")
+
+
+def test_candidates_cover_the_space_and_prune_by_the_estimate(cands):
+    assert all(c.micro_batch * c.grad_accum == BATCH for c in cands)
+    assert all(c.fits == (c.estimated_peak <= BUDGET) for c in cands)
+    assert {c.micro_batch for c in cands} == {1, 2, 4, 8}
+    assert {c.gradient_checkpointing for c in cands} == {False, True}
+    assert {c.attn for c in cands} == {"eager", "sdpa"}
+    fitting = [c for c in cands if c.fits]
+    assert 0 < len(fitting) < len(cands)  # the budget matters here: some in, some out
+    assert cands[: len(fitting)] == fitting  # fitting first, cheapest predicted first
+    costs = [c.cost for c in fitting]
+    assert costs == sorted(costs)
+    # The whole batch at once in fp32 with AdamW does not fit; accumulation gets it in.
+    vanilla = next(
+        c
+        for c in cands
+        if c.micro_batch == BATCH
+        and c.precision == "fp32"
+        and c.optimizer == "adamw"
+        and not c.gradient_checkpointing
+    )
+    assert not vanilla.fits
+    assert any(c.fits and c.optimizer == "adamw" and c.precision == "fp32" for c in cands)
+
+
+def test_shortlist_is_varied_and_fits(cands):
+    picked = shortlist(cands, 4)
+    assert len(picked) == 4 and all(c.fits for c in picked)
+    kinds = {(c.precision, c.optimizer, c.attn, c.gradient_checkpointing) for c in picked}
+    assert len(kinds) == 4
+
+
+def test_plan_measures_and_the_winner_fits():
+    result = plan(
+        MODEL,
+        BUDGET,
+        BATCH,
+        SEQ,
+        device="cpu",
+        top_k=2,
+        repeats=1,
+        isolate=False,
+        precisions=["fp32"],
+        optimizers=["adamw", "sgd"],
+    )
+    assert result.best is not None and result.best.ok
+    best = result.best.candidate
+    assert best.fits and best.micro_batch * best.grad_accum == BATCH
+    # Measured with the budget enforced by the tracker: it would have raised past it.
+    assert result.best.measured_peak <= BUDGET
+    # The estimator's 10 % target, on the configuration the plan picked.
+    assert abs(best.estimated_peak - result.best.measured_peak) < 0.10 * result.best.measured_peak
+    assert result.runner_up is not None
+    assert result.best.samples_per_s >= result.runner_up.samples_per_s
+    assert best.label in result.reason and result.runner_up.candidate.label in result.reason
+
+
+def test_plan_refuses_a_budget_below_the_weights():
+    with pytest.raises(ValueError, match="below the weights alone"):
+        plan(MODEL, 1 * MiB, BATCH, SEQ, device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_plan_refuses_a_device_that_is_not_here():
+    # The plan times its candidates: it needs the device (the estimate alone does not).
+    with pytest.raises(ValueError, match="not on this machine"):
+        plan(MODEL, BUDGET, BATCH, SEQ, device="cuda")
+    assert candidates(MODEL, BUDGET, BATCH, SEQ, device="cuda")  # estimating is fine
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--budget", "lots"],  # unreadable budget
+        ["--budget", "1MiB"],  # below bert-tiny's 2.4 MB of weights
+        ["--effective-batch", "0"],
+        ["--model", "/nonexistent/config.json"],
+        ["--frobnicate", "3"],  # unknown option
+    ],
+)
+def test_cli_plan_bad_input_is_one_line_and_exit_2(args, capsys):
+    base = {"--model": MODEL, "--budget": "12MiB", "--effective-batch": "8", "--seq-len": "64"}
+    extra = []
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        if flag in base:
+            base[flag] = value
+        else:
+            extra += [flag, value]
+    argv = ["plan", "--device", "cpu"] + [x for kv in base.items() for x in kv] + extra
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+
+
+def test_cli_plan_json(capsys):
+    # The real command: candidates timed in fresh processes, one line of JSON at the end.
+    argv = [
+        "plan",
+        "--model",
+        MODEL,
+        "--budget",
+        "12MiB",
+        "--effective-batch",
+        "4",
+        "--seq-len",
+        "32",
+        "--device",
+        "cpu",
+        "--top-k",
+        "1",
+        "--repeats",
+        "1",
+        "--json",
+    ]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert data["best"] and data["best_estimated_peak"] <= 12 * MiB
+    assert data["best_measured_peak"] <= 12 * MiB and data["measured"] == 1
