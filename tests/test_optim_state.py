@@ -1,0 +1,131 @@
+"""The per-tensor state prediction matches what each optimizer really allocates."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from helpers.optim_state import (
+    SHARED,
+    StateTensor,
+    bytes_per_param,
+    expected_state,
+    read_state,
+    tracked_bytes,
+)
+
+HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
+
+
+class Tiny(torch.nn.Module):
+    """An embedding, two large matrices, a small matrix and vectors: every state rule applies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, 96)  # 6144 elements: 8-bit-sized, but an embedding
+        self.big = torch.nn.Linear(96, 100)  # 9600 elements, not a multiple of the 256 block
+        self.big2 = torch.nn.Linear(100, 96)
+        self.small = torch.nn.Linear(96, 4)  # 384 elements: under min_8bit_size
+
+    def forward(self, ids):
+        return self.small(self.big2(self.big(self.emb(ids)))).square().mean()
+
+
+def stepped(model: torch.nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    model(torch.arange(8)).backward()
+    opt.step()
+    return opt
+
+
+@pytest.mark.parametrize(
+    "name, make",
+    [
+        ("adamw", lambda ps: torch.optim.AdamW(ps)),
+        ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+        ("adafactor", lambda ps: torch.optim.Adafactor(ps)),
+    ],
+)
+def test_torch_state_matches_prediction(name, make):
+    model = Tiny()
+    opt = stepped(model, make(model.parameters()))
+    real, predicted = read_state(model, opt), expected_state(model, name)
+    assert bytes_per_param(real) == bytes_per_param(predicted)
+    assert sorted(real, key=repr) == sorted(predicted, key=repr)  # same keys, shapes, dtypes
+
+
+def test_transformers_adafactor_matches_prediction():
+    from transformers.optimization import Adafactor
+
+    model = Tiny()
+    opt = stepped(model, Adafactor(model.parameters(), lr=1e-3, relative_step=False))
+    predicted = expected_state(model, "adafactor", impl="transformers")
+    assert sorted(read_state(model, opt), key=repr) == sorted(predicted, key=repr)
+
+
+def test_fused_adamw_keeps_step_on_device():
+    model = Tiny()
+    opt = stepped(model, torch.optim.AdamW(model.parameters(), fused=True))
+    assert bytes_per_param(read_state(model, opt)) == bytes_per_param(
+        expected_state(model, "adamw", fused=True)
+    )
+
+
+@pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes is not installed")
+@pytest.mark.parametrize("override", [True, False])
+def test_bnb_8bit_state_matches_prediction(override):
+    import bitsandbytes as bnb
+
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    manager.initialize()  # the manager is process-global: forget earlier tests' overrides
+    model = Tiny()
+    opt = bnb.optim.AdamW8bit(model.parameters())
+    if override:  # as the Trainer does, after building the optimizer (read at the first step)
+        manager.register_module_override(model.emb, "weight", {"optim_bits": 32})
+    stepped(model, opt)
+    real = bytes_per_param(read_state(model, opt))
+    predicted = bytes_per_param(expected_state(model, "adamw8bit", embeddings_32bit=override))
+    assert real == predicted
+    assert SHARED in real  # two 8-bit tensors share the quantisation maps
+    assert real["emb.weight"] == (8 * 6144 if override else 2 * 6144 + 2 * 4 * 24)
+    assert real["big.weight"] == 2 * 9600 + 2 * 4 * 38  # ceil(9600 / 256) = 38 blocks
+
+
+def test_tracked_bytes_follows_the_tracker_rules():
+    rows = [
+        StateTensor("w", "exp_avg", (10,), torch.float32),
+        StateTensor("w", "step", (), torch.float32, host=True),
+    ]
+    assert tracked_bytes(rows, torch.device("cpu")) == 44  # everything, exactly
+    assert tracked_bytes(rows, torch.device("cuda")) == 512  # device tensors, 512-B blocks
+
+
+def test_adamw_step_times_compares_implementations():
+    from helpers.optim_state import adamw_step_times
+    from helpers.train import RunConfig
+
+    out = adamw_step_times(
+        RunConfig(model="bert-tiny", device="cpu"),
+        {
+            "for-loop": {"foreach": False},
+            "foreach": {"foreach": True},
+            "bad": {"fused": True, "foreach": True},
+        },
+        repeats=2,
+    )
+    assert set(out["times"]) == {"for-loop", "foreach"} and "bad" in out["errors"]
+    assert out["max_diff"]["foreach"] < 1e-6  # the same update, computed another way
+
+
+def test_markov_curves_sets_each_runs_learning_rate():
+    from helpers.optim_state import markov_curves
+    from helpers.train import RunConfig
+
+    cfg = RunConfig(model="llama-tiny", batch_size=2, seq_len=16, device="cpu")
+    curves = markov_curves({"frozen": (cfg, 0.0), "moving": (cfg, 1e-3)}, steps=3)
+    frozen, moving = curves["frozen"].losses, curves["moving"].losses
+    assert len(frozen) == 3 and frozen[0] == moving[0]  # same model, same first batch
+    assert frozen[-1] != moving[-1]  # lr 0 changes nothing; 1e-3 changes the weights
+    assert 0 < curves["moving"].best_loss < curves["moving"].uniform_loss
