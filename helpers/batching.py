@@ -1,0 +1,257 @@
+"""Batch size: searching for the largest batch that fits, and how matrix shapes set the speed.
+
+accelerate's ``find_executable_batch_size`` (and the Trainer's ``auto_find_batch_size``, built
+on it) retries with a smaller batch only when ``should_reduce_batch_size`` recognises the
+exception, and it recognises an out-of-memory error by its *message* (" out of memory." for
+CUDA), not by its type. The course's CPU budget raises ``torch.OutOfMemoryError`` with a message
+of its own, and a run in a fresh process returns its failure as a record instead of raising.
+The functions here turn both into an exception accelerate recognises, and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from matplotlib.figure import Figure
+from torch.distributed._tools.mod_tracker import ModTracker
+
+from helpers.memory import CategoryTracker, memory_budget
+from helpers.timing import time_fn
+
+# The phrase accelerate.utils.should_reduce_batch_size looks for in a CUDA/XPU OOM message.
+OOM_PHRASE = " out of memory."
+MiB = 2**20
+
+
+def halving(start: int) -> Callable[[], int]:
+    """A ``reduce_batch_size_fn`` for accelerate: each call halves the batch, from ``start``."""
+    current = start
+
+    def reduce() -> int:
+        nonlocal current
+        current //= 2
+        return current
+
+    return reduce
+
+
+def raise_if_oom(record) -> None:
+    """Raise an OOM accelerate recognises when a fresh-process ``Record`` ran out of memory."""
+    if record.oom:
+        raise torch.OutOfMemoryError(f"run{OOM_PHRASE} {record.error}")
+
+
+class RecognisedBudgetTracker(CategoryTracker):
+    """A budgeted ``CategoryTracker`` whose OOM message accelerate's search recognises."""
+
+    def __init__(self, budget: int | None = None) -> None:
+        super().__init__(budget)
+        # MemTracker's module hooks keep the autograd graph of a forward that raised alive (its
+        # backward hooks and the graph reference each other), so every retry after an OOM would
+        # start with the failed attempt's activations still counted; and they refuse a second
+        # forward of the root module (the next step). A search needs only byte totals, which
+        # the dispatch mode counts without any module hook, so we switch the hooks off.
+        self._mod_tracker = _NoModuleHooks()
+
+    def _update_snap(self, *args, **kwargs) -> None:
+        try:
+            super()._update_snap(*args, **kwargs)
+        except torch.OutOfMemoryError as err:
+            raise torch.OutOfMemoryError(f"budget{OOM_PHRASE} {err}") from None
+
+
+class _NoModuleHooks(ModTracker):
+    """A ``ModTracker`` that installs no hooks: ``is_bw`` still works, ``parents`` stays global."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def recognised_budget(nbytes: int, *tracked, device: torch.device):
+    """``memory_budget`` whose OOM, on every device, makes accelerate retry with a smaller batch.
+
+    On CUDA the allocator cap raises CUDA's own OOM, which accelerate already recognises.
+    Elsewhere everything created inside the block, plus ``tracked``, counts against ``nbytes``.
+    """
+    if device.type == "cuda":
+        with memory_budget(nbytes, device=device):
+            yield None
+        return
+    tracker = RecognisedBudgetTracker(budget=nbytes)
+    tracker.track_external(*tracked)
+    with tracker:
+        yield tracker
+
+
+@dataclass
+class MatmulTiming:
+    """Median seconds and achieved TFLOP/s of an n x n by n x n matmul, per size n."""
+
+    dtype: str
+    seconds: dict[int, float] = field(default_factory=dict)
+    tflops: dict[int, float] = field(default_factory=dict)
+    spread: dict[int, float] = field(default_factory=dict)  # (max - min) / median of the repeats
+
+
+def matmul_timing(
+    sizes: Sequence[int],
+    dtype: str,
+    device: str,
+    warmup: int = 3,
+    repeats: int = 15,
+    inner: int = 1,
+) -> MatmulTiming:
+    """Time n x n matmuls per size (``inner`` back to back per timed call), sizes interleaved.
+
+    Each round times every size once, so a slow spell of the machine hits all sizes alike.
+    """
+    dev = torch.device(device)
+    torch_dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    pairs = {
+        n: (torch.randn(n, n, generator=g).to(dev, torch_dtype),
+            torch.randn(n, n, generator=g).to(dev, torch_dtype))
+        for n in sizes
+    }  # fmt: skip
+
+    def call(n: int) -> Callable[[], None]:
+        a, b = pairs[n]
+
+        def run() -> None:
+            for _ in range(inner):
+                torch.mm(a, b)
+
+        return run
+
+    for n in sizes:  # warm-up, untimed: kernel selection, caches, clocks
+        time_fn(call(n), dev, warmup=warmup, repeats=1)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
+            times[n] += time_fn(call(n), dev, warmup=0, repeats=1).times
+    out = MatmulTiming(dtype)
+    for n, ts in times.items():
+        median = statistics.median(ts) / inner
+        out.seconds[n] = median
+        out.tflops[n] = 2 * n**3 / median / 1e12
+        out.spread[n] = (max(ts) - min(ts)) / (median * inner)
+    return out
+
+
+@dataclass
+class TrainerSearch:
+    """What the Trainer's ``auto_find_batch_size`` did: every batch size it started with."""
+
+    tried: list[int]
+    final: int
+    steps: int
+    loss: float
+
+
+def trainer_auto_batch(
+    model: str,
+    start: int,
+    seq_len: int,
+    budget: int,
+    max_steps: int = 2,
+    device: str | None = None,
+    seed: int = 0,
+) -> TrainerSearch:
+    """Train ``model`` with the Trainer's ``auto_find_batch_size`` inside a memory budget."""
+    import tempfile
+
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    from helpers.data import MarkovTask, markov_dataset
+    from helpers.models import build_model, load_config, task_kind
+    from helpers.scale import default_device
+
+    dev = torch.device(device) if device else default_device()
+    config = load_config(model)
+    net = build_model(config, device=dev, seed=seed)
+    task = MarkovTask(n_states=min(64, config.vocab_size), seed=seed)
+    data = markov_dataset(task, task_kind(config), n=start * max_steps, seq_len=seq_len, seed=seed)
+    tried: list[int] = []
+
+    class Tried(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            tried.append(state.train_batch_size)
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=start,
+            auto_find_batch_size=True,  # the switch: retry with a smaller batch after an OOM
+            max_steps=max_steps,
+            learning_rate=1e-3,
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,  # one bar per attempt would bury the output
+            use_cpu=dev.type == "cpu",
+            seed=seed,
+        )
+        trainer = Trainer(model=net, args=args, train_dataset=data, callbacks=[Tried()])
+        trainer.remove_callback(PrinterCallback)  # it would print the final metrics
+        with recognised_budget(budget, net, device=dev):
+            result = trainer.train()
+    return TrainerSearch(tried, tried[-1], result.global_step, float(result.training_loss))
+
+
+def throughput_memory_figure(
+    batches: Sequence[int],
+    samples_per_s: Sequence[float],
+    peak_bytes: Sequence[int],
+    budget: int | None = None,
+    found: int | None = None,
+    title: str = "",
+) -> Figure:
+    """Two panels against batch size: samples/s, and the exact peak (MiB) with the budget line."""
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    left.plot(batches, samples_per_s, marker="o", color="#4C72B0")
+    left.set_ylabel("samples / s (median step)")
+    right.plot(batches, [p / MiB for p in peak_bytes], marker="o", color="#C44E52", label="peak")
+    if budget is not None:
+        right.axhline(budget / MiB, linestyle="--", color="grey", label="budget")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(batches), [str(b) for b in batches])
+        ax.set_xlabel("batch size")
+        ax.grid(alpha=0.3)
+        if found is not None:
+            ax.axvline(found, color="#55A868", linewidth=1, label=f"found: {found}")
+    right.set_yscale("log")
+    right.set_ylabel("peak MiB (exact, tracked)")
+    right.legend(fontsize="small")
+    fig.suptitle(title)
+    return fig
+
+
+def matmul_figure(timing: MatmulTiming, title: str = "") -> Figure:
+    """Achieved TFLOP/s per matmul size, coloured by alignment: multiple of 64, of 8, or neither."""
+    from matplotlib.patches import Patch
+
+    fig = Figure(figsize=(7, 3.5), layout="constrained")
+    ax = fig.add_subplot()
+    sizes = list(timing.tflops)
+    palette = {64: ("#4C72B0", "multiple of 64"), 8: ("#8FB3E0", "multiple of 8"),
+               1: ("#BBBBBB", "neither")}  # fmt: skip
+    groups = [64 if n % 64 == 0 else 8 if n % 8 == 0 else 1 for n in sizes]
+    ax.bar([str(n) for n in sizes], list(timing.tflops.values()),
+           color=[palette[g][0] for g in groups])  # fmt: skip
+    ax.legend(handles=[Patch(color=c, label=lab) for c, lab in palette.values()],
+              fontsize="small", loc="lower right")  # fmt: skip
+    ax.set_xlabel("n (an n x n times n x n matmul)")
+    ax.set_ylabel(f"TFLOP/s achieved ({timing.dtype})")
+    ax.tick_params(axis="x", labelrotation=90)
+    ax.set_title(title)
+    return fig
