@@ -1,0 +1,666 @@
+"""DeepSpeed ZeRO on one device, in one process: configs, measured runs, estimates, a plan.
+
+DeepSpeed is usually started by its launcher (``deepspeed train.py``), which starts one process
+per GPU and sets the variables ``torch.distributed`` needs to find its peers. A notebook has one
+process and no launcher, so ``one_process_env`` sets those variables for a world of one. Every
+function here that initialises DeepSpeed is meant to run in a fresh process
+(``helpers.isolate.call_isolated``): DeepSpeed creates a process group and global state that
+must not leak into the next experiment.
+
+Where the bytes of a ZeRO run live is measured two ways:
+- by owner, between steps: what the model (``engine.module``) holds, and what DeepSpeed keeps
+  in its offload buffers (fp32 master weights, gradient partitions, optimizer state);
+- during a step, with ``DeviceTracker``: every tensor on the compute device except DeepSpeed's
+  offload buffers, plus, for ZeRO-3, the weights fetched for the layers being computed.
+On a GPU the offload buffers are in host RAM and everything else is in GPU memory. On a CPU
+both are the same RAM: "offload" copies nothing (ZeRO-3's fetch is then a view of the host copy,
+which is why the fetched weights are counted from DeepSpeed's own parameter status).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import time
+import types
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from helpers.memory import CategoryTracker
+
+FP32 = 4
+# The course's rule of thumb for fp32 training with AdamW (lesson 01): 4 weights + 4 gradients
+# + 8 optimizer state bytes per parameter.
+BYTES_PER_PARAM = 16
+
+# DeepSpeed's buffers that it places on the offload device (host RAM), by ZeRO stage. Names are
+# those of deepspeed 0.19's ZeRO optimizers; a name missing in another version is skipped, and its
+# buffer then counts as device memory (the conservative side for a budget).
+HOST_BUFFERS = {
+    2: (
+        "single_partition_of_fp32_groups",  # fp32 master weights (with their .grad)
+        "param_buffer_of_bit16_for_cpu_offload_groups",  # staging copy of the weights
+        "temp_grad_buffer_for_cpu_offload",
+        "accumulated_grads_in_cpu",
+    ),
+    3: (
+        "fp32_partitioned_groups_flat",  # fp32 master weights (with their .grad)
+        "grad_partitions_flat_buffer",  # gradient partitions
+    ),
+}
+HOST_PARAM_BUFFERS = ("fp16_partitioned_groups_flat", "param_groups_fp16_flat_cpu_memory")
+# DeepSpeed's buffers on the compute device: gradient buckets.
+DEVICE_BUFFERS = ("ipg_buffer", "temp_grad_buffer_for_gpu_offload", "ipg_buckets")
+_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def one_process_env() -> dict[str, str]:
+    """The rendezvous variables of torch.distributed for a world of one process on this host."""
+    with socket.socket() as s:  # a free port, so that runs never collide
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+
+
+def zero_config(
+    stage: int,
+    hidden_size: int,
+    batch_size: int,
+    offload_params: bool = False,
+    pin_memory: bool = False,
+) -> dict:
+    """A DeepSpeed config dict: ZeRO ``stage`` with the optimizer offloaded to the CPU, fp32.
+
+    Bucket sizes follow the Trainer's "auto" rule (hidden_size² elements), so they scale with
+    the model. ``zero_force_ds_cpu_optimizer: False`` lets DeepSpeed step a client
+    ``torch.optim.AdamW`` on the offloaded state instead of insisting on its compiled CPU Adam.
+    """
+    if stage not in (2, 3):
+        raise ValueError("this course offloads with ZeRO stage 2 or 3")
+    h2 = hidden_size * hidden_size
+    zero = {
+        "stage": stage,
+        "offload_optimizer": {"device": "cpu", "pin_memory": pin_memory},
+        "contiguous_gradients": True,
+        "reduce_bucket_size": h2,
+    }
+    if stage == 3:
+        zero["offload_param"] = {
+            "device": "cpu" if offload_params else "none",
+            "pin_memory": pin_memory,
+        }
+        zero["stage3_prefetch_bucket_size"] = int(0.9 * h2)
+        zero["stage3_param_persistence_threshold"] = 10 * hidden_size
+        # DeepSpeed's defaults (1e9 elements) keep every fetched weight of a model below a
+        # billion parameters on the device; a few layers' worth lets it release them.
+        zero["stage3_max_live_parameters"] = 3 * h2
+        zero["stage3_max_reuse_distance"] = 3 * h2
+    elif offload_params:
+        raise ValueError("parameter offload needs ZeRO stage 3")
+    return {
+        "train_micro_batch_size_per_gpu": batch_size,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _start_deepspeed(device: torch.device):
+    """Prepare this (fresh) process for DeepSpeed and import it; returns the module."""
+    import logging
+    import warnings
+
+    os.environ.update(one_process_env())
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+    # The gloo collectives DeepSpeed calls are deprecated names in recent torch: noise here.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\..* is deprecated")
+    warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad")
+    warnings.filterwarnings("ignore", message="OMP_NUM_THREADS")  # accelerate sets it on a CPU
+    # ZeRO's optimizers import DeepSpeed's Muon optimizer only to ask whether the optimizer they
+    # wrap is one. That module compiles kernels with torch.compile when imported (seconds, per
+    # process). We never train with Muon, so a stand-in class answers "no" at no cost.
+    muon = types.ModuleType(_MUON)
+    muon.MuonWithAuxAdam = type("MuonWithAuxAdam", (), {"__doc__": "Stand-in: Muon is unused."})
+    sys.modules.setdefault(_MUON, muon)
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    if device.type == "cpu":
+        # DeepSpeed's CPU backend builds a shared-memory all-reduce kernel (a C++ build of a
+        # minute or more) when it starts. It speeds up several processes on one host; one
+        # process has no peer, so we mark it unavailable and DeepSpeed uses plain gloo.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+    return deepspeed
+
+
+def _stop_deepspeed() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _tensors(obj, depth: int = 3):
+    """Tensors (and their .grad) inside ``obj``: a tensor, or lists/dicts/objects holding them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+    elif depth > 0:
+        if isinstance(obj, dict):
+            obj = list(obj.values())
+        elif hasattr(obj, "buffer") and not isinstance(obj, (list, tuple)):
+            obj = [obj.buffer]  # DeepSpeed's gradient bucket objects
+        if isinstance(obj, (list, tuple)):
+            for item in obj:
+                yield from _tensors(item, depth - 1)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views and repeats counted once)."""
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes():
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the elements of ``tensors`` (each distinct tensor once, views at their size)."""
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
+def host_tensors(ds_optimizer, stage: int, offload_params: bool) -> dict[str, list]:
+    """DeepSpeed's host-side tensors: its offload buffers and the wrapped optimizer's state."""
+    names = HOST_BUFFERS[stage] + (HOST_PARAM_BUFFERS if offload_params else ())
+    buffers = [t for n in names for t in _tensors(getattr(ds_optimizer, n, None))]
+    inner = getattr(ds_optimizer, "optimizer", None)
+    state = [t for s in getattr(inner, "state", {}).values() for t in _tensors(s)]
+    return {"buffers": buffers, "optimizer_state": state}
+
+
+def device_buffers(ds_optimizer) -> list[torch.Tensor]:
+    """DeepSpeed's gradient buckets on the compute device (allocated once, reused every step)."""
+    return [t for n in DEVICE_BUFFERS for t in _tensors(getattr(ds_optimizer, n, None))]
+
+
+class DeviceTracker(CategoryTracker):
+    """``CategoryTracker`` restricted to what a ZeRO-offload run keeps on the compute device.
+
+    It ignores tensors on another device, tensors whose storage is one of DeepSpeed's offload
+    buffers (``host``: storage pointers), and everything allocated inside the optimizer's
+    ``step()`` (with the optimizer offloaded, that runs on the host). ``fetched()`` returns the
+    bytes of ZeRO-3 weights gathered at this moment; they are added to the device total, which
+    is checked against ``budget`` like ``CategoryTracker`` does.
+    """
+
+    def __init__(self, device: torch.device, host: set[int], budget=None, fetched=None) -> None:
+        super().__init__(budget=None)
+        self.device_budget = budget
+        self.compute_device = torch.device(device)
+        self.host = host
+        self.fetched = fetched or (lambda: 0)
+        self.fetched_max = 0
+        self.device_peak = 0
+
+    def _update_peak_stats(self, peak_state) -> None:
+        pass  # MemTracker's per-module peaks: unused here, and they cost a scan per operator
+
+    def _skip(self, t: torch.Tensor) -> bool:
+        if t.device.type != self.compute_device.type or self._in_opt:
+            return True
+        return t.untyped_storage().data_ptr() in self.host
+
+    def _track(self, reftype, t: torch.Tensor) -> None:
+        if not self._skip(t):
+            super()._track(reftype, t)
+
+    def _track_optimizer_states(self, reftype, optimizer) -> None:
+        # Called after each optimizer step: its state was created on the host, remember it.
+        for state in optimizer.state.values():
+            self.host.update(t.untyped_storage().data_ptr() for t in _tensors(state))
+
+    def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
+        if self._skip(t):
+            return set()
+        return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+
+    def _account(self, growing: bool) -> None:
+        fetched = self.fetched()
+        self.fetched_max = max(self.fetched_max, fetched)
+        snap = self._curr_mem_snap.get(self.compute_device) or next(
+            iter(self._curr_mem_snap.values()), {}
+        )
+        total = snap.get("Total", 0) + fetched
+        self.device_peak = max(self.device_peak, total)
+        if growing and self.device_budget is not None and total > self.device_budget:
+            fetched_text = f" ({fetched / 2**20:.1f} MiB of fetched weights)" if fetched else ""
+            raise torch.OutOfMemoryError(
+                f"memory budget exceeded: the compute device would hold {total / 2**20:.1f} MiB"
+                f"{fetched_text}, more than the {self.device_budget / 2**20:.1f} MiB budget."
+            )
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        self._account(u_type.name in ("ADD", "SIZE"))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._account(True)  # ZeRO-3 may have fetched weights since the last allocation
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@dataclass
+class ZeroRun:
+    """One ZeRO-offload experiment: the model, the batch, and what is offloaded."""
+
+    model: str | dict = "llama-tiny"
+    stage: int = 3
+    offload_params: bool = True  # stage 3 only
+    batch_size: int = 4
+    seq_len: int = 64
+    warmup: int = 1
+    repeats: int = 3
+    budget: int | None = None  # bytes of the pretend device; past it: torch.OutOfMemoryError
+    pin_memory: bool = False  # page-locked host buffers: faster GPU transfers, locked RAM
+    device: str | None = None
+    seed: int = 0
+    label: str = ""
+
+    def as_dict(self) -> dict:
+        """Plain dict for records and JSON."""
+        return asdict(self)
+
+
+def _fetched_counter(module: torch.nn.Module):
+    """Bytes of ZeRO-3 parameters gathered right now (DeepSpeed's status of each parameter)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    on_device = (ZeroParamStatus.AVAILABLE, ZeroParamStatus.INFLIGHT)
+    params = [(p, p.ds_numel * p.element_size()) for p in module.parameters()]
+
+    def fetched() -> int:
+        return sum(nbytes for p, nbytes in params if p.ds_status in on_device)
+
+    return fetched
+
+
+def measure_zero(run: ZeroRun):
+    """Train ``run`` with DeepSpeed ZeRO + CPU offload in this process; one Record of it.
+
+    Call it in a fresh process. ``memory`` holds the device side (``DeviceTracker`` on a CPU,
+    the allocator's peak on a GPU) and, under ``offloaded``, the bytes DeepSpeed keeps in host
+    buffers; ``resident`` is what the model itself holds between steps.
+    """
+    from helpers.data import random_batch
+    from helpers.hardware import hardware_report, nvml_used_bytes
+    from helpers.memory import allocator_peaks, memory_budget, reset_device_peaks
+    from helpers.models import build_model, count_params, load_config, task_kind
+    from helpers.results import Record
+    from helpers.scale import default_device
+    from helpers.timing import time_fn
+    from helpers.train import make_optimizer
+
+    t0 = time.perf_counter()
+    device = torch.device(run.device) if run.device else default_device()
+    deepspeed = _start_deepspeed(device)
+    config = load_config(run.model)
+    kind = task_kind(config)
+    # Built on the CPU: DeepSpeed moves (ZeRO-2) or partitions (ZeRO-3) it at initialize.
+    model = build_model(config, device="cpu", seed=run.seed)
+    n_params = count_params(model)
+    optimizer = make_optimizer("adamw", model)  # the same torch AdamW as the plain runs
+    ds_config = zero_config(
+        run.stage, config.hidden_size, run.batch_size, run.offload_params, run.pin_memory
+    )
+    stack = contextlib.ExitStack()
+    if run.budget and device.type == "cuda":  # caps the allocator for the whole run
+        stack.enter_context(memory_budget(run.budget, device=device))
+    try:
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config
+        )
+        data = random_batch(kind, run.batch_size, run.seq_len, config.vocab_size, seed=run.seed)
+        batch = {k: v.to(engine.device) for k, v in data.items()}
+        losses: list[float] = []
+
+        def step() -> None:
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+
+        for _ in range(max(1, run.warmup)):  # creates the optimizer state and the buckets
+            step()
+        host = host_tensors(ds_optimizer, run.stage, run.offload_params)
+        peaks = None
+        if device.type == "cuda":
+            reset_device_peaks(device)
+            step()
+        else:
+            peaks = DeviceTracker(
+                device,
+                {t.untyped_storage().data_ptr() for t in host["buffers"] + host["optimizer_state"]},
+                budget=run.budget,
+                fetched=_fetched_counter(engine.module) if run.stage == 3 else None,
+            )
+            peaks.track_external(engine.module, *device_buffers(ds_optimizer))
+            with peaks:  # one steady-state step
+                step()
+        timing = time_fn(step, device, warmup=0, repeats=run.repeats)
+        host = host_tensors(ds_optimizer, run.stage, run.offload_params)  # state exists now
+        params = list(engine.module.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        memory = {
+            "resident": tensor_bytes(params + grads),
+            "resident_params": tensor_bytes(params),
+            "offloaded": storage_bytes(host["buffers"] + host["optimizer_state"]),
+            "offloaded_optimizer_state": storage_bytes(host["optimizer_state"]),
+            "offloaded_on": sorted({str(t.device) for t in host["buffers"]}),
+        }
+        if peaks is not None:
+            cat = peaks.peaks().as_dict()
+            memory.update({k: cat[k] for k in ("gradients", "activations", "temporaries")})
+            memory["params"] = max(cat["params"], peaks.fetched_max)
+            memory["fetched"] = peaks.fetched_max
+            memory["optimizer_state"] = cat["optimizer_state"]
+            memory["peak"] = peaks.device_peak
+        allocator = allocator_peaks(device)
+        if allocator is not None:
+            memory["peak"] = allocator.allocated
+        # DeepSpeed's own estimate of the model states for this very setup (device, host).
+        option = "ZeRO-2 + offload optimizer"
+        if run.stage == 3:
+            option = "ZeRO-3 + offload optimizer" + (" + params" if run.offload_params else "")
+        largest = max(
+            sum(
+                p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                for p in m.parameters(recurse=False)
+            )
+            for m in engine.module.modules()
+        )
+        estimate = deepspeed_estimates(n_params, largest)
+        memory["largest_layer"] = largest
+        memory["deepspeed_estimate"] = list(estimate[option]) if estimate else None
+        report = hardware_report(device)
+        return Record(
+            config={**run.as_dict(), "zero": ds_config["zero_optimization"]},
+            device=report.as_dict(),
+            n_params=n_params,
+            memory=memory,
+            allocator=asdict(allocator) if allocator else None,
+            nvml_used=nvml_used_bytes(device),
+            step_time=timing.median,
+            step_times=timing.times,
+            samples_per_s=run.batch_size / timing.median,
+            tokens_per_s=run.batch_size * run.seq_len / timing.median,
+            losses=losses,
+            wall_s=time.perf_counter() - t0,
+        )
+    finally:
+        stack.close()
+        _stop_deepspeed()
+
+
+@dataclass
+class TrainerRun:
+    """What a Trainer run with a DeepSpeed config gave back."""
+
+    losses: list[float] = field(default_factory=list)
+    uniform_loss: float = 0.0  # log(n_states) of the learnable task
+    engine: str = ""  # the wrapper class the Trainer trained through
+    resident_params: int = 0  # bytes the model's parameters held after training
+    n_params: int = 0
+    train_s: float = 0.0
+
+
+def train_with_trainer(run: ZeroRun, steps: int) -> TrainerRun:
+    """Train ``run`` with ``Trainer`` and ``TrainingArguments(deepspeed=<config dict>)``.
+
+    Call it in a fresh process. The Trainer builds its AdamW, hands it and the model to
+    DeepSpeed, and trains on the learnable Markov task.
+    """
+    import tempfile
+
+    from transformers import PrinterCallback, Trainer, TrainingArguments
+
+    from helpers.data import MarkovTask, markov_dataset
+    from helpers.models import build_model, count_params, load_config, task_kind
+    from helpers.scale import default_device
+
+    device = torch.device(run.device) if run.device else default_device()
+    _start_deepspeed(device)
+    config = load_config(run.model)
+    model = build_model(config, device="cpu", seed=run.seed)
+    n_params = count_params(model)
+    task = MarkovTask(n_states=min(64, config.vocab_size), seed=run.seed)
+    data = markov_dataset(task, task_kind(config), steps * run.batch_size, run.seq_len, run.seed)
+    ds_config = zero_config(
+        run.stage, config.hidden_size, run.batch_size, run.offload_params, run.pin_memory
+    )
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            args = TrainingArguments(
+                output_dir=out,
+                per_device_train_batch_size=run.batch_size,
+                max_steps=steps,
+                learning_rate=1e-3,
+                lr_scheduler_type="constant",
+                optim="adamw_torch",
+                logging_steps=1,
+                report_to="none",
+                save_strategy="no",
+                disable_tqdm=True,
+                use_cpu=device.type == "cpu",
+                deepspeed=ds_config,
+                seed=run.seed,
+            )
+            trainer = Trainer(model=model, args=args, train_dataset=data)
+            trainer.remove_callback(PrinterCallback)  # the losses come back in the result
+            t0 = time.perf_counter()
+            trainer.train()
+            train_s = time.perf_counter() - t0
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        params = list(trainer.model.parameters())
+        return TrainerRun(
+            losses=losses,
+            uniform_loss=task.uniform_loss,
+            engine=type(trainer.model_wrapped).__name__,
+            resident_params=tensor_bytes(params),
+            n_params=n_params,
+            train_s=train_s,
+        )
+    finally:
+        _stop_deepspeed()
+
+
+# ---- sizes, DeepSpeed's estimators, and the decision tree -----------------------------------
+
+
+def widen(config: dict, factor: int) -> dict:
+    """A decoder config ``factor`` times as wide: hidden, MLP and head counts (head size kept)."""
+    out = dict(config)
+    out["hidden_size"] = config["hidden_size"] * factor
+    out["intermediate_size"] = config["intermediate_size"] * factor
+    out["num_attention_heads"] = config["num_attention_heads"] * factor
+    if config.get("num_key_value_heads"):
+        out["num_key_value_heads"] = config["num_key_value_heads"] * factor
+    return out
+
+
+def layer_counts(config) -> tuple[int, int]:
+    """(parameters, parameters of the largest single module), counted on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers.models import load_config
+
+    config = load_config(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    total = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return total, largest
+
+
+def oversized_config(config, budget: int, over: float = 1.5, layers: int = 4) -> dict:
+    """The scale's decoder, ``layers`` deep and widened until 16 B/param exceed ``over x budget``.
+
+    Widening (not deepening) grows the model states (~width²) faster than the activations
+    (~width), so the offloaded run still fits the budget while the plain one cannot.
+    """
+    from helpers.models import load_config
+
+    base = load_config(config).to_dict()
+    base["num_hidden_layers"] = layers
+    for factor in range(1, 65):
+        candidate = widen(base, factor)
+        if BYTES_PER_PARAM * layer_counts(candidate)[0] >= over * budget:
+            return candidate
+    raise ValueError("no width up to 64x makes the model states exceed the budget")
+
+
+def deepspeed_estimates(n_params: int, largest_layer: int) -> dict[str, tuple[int, int]] | None:
+    """DeepSpeed's own model-state estimates, {option: (device bytes, host bytes)}; None without it.
+
+    These are the functions behind ``estimate_zero{2,3}_model_states_mem_needs_all_cold``, for
+    one GPU on one node, with DeepSpeed's default 1.5x host buffer factor. They assume 16-bit
+    weights on the GPU (2 B/param) and fp32 master weights, gradients and Adam state.
+    """
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    except Exception:  # not installed, or failing to import: the caller says what it skips
+        return None
+    out = {}
+    for offload in (False, True):
+        host, gpu = estimate_zero2_model_states_mem_needs(n_params, cpu_offload=offload)
+        out[f"ZeRO-2{' + offload optimizer' if offload else ''}"] = (gpu, host)
+    for offload, params in ((False, False), (True, False), (True, True)):
+        host, gpu, _ = estimate_zero3_model_states_mem_needs(
+            n_params, largest_layer, cpu_offload=offload, cpu_offload_params=params
+        )
+        name = (
+            "ZeRO-3" + (" + offload optimizer" if offload else "") + (" + params" if params else "")
+        )
+        out[name] = (gpu, host)
+    return out
+
+
+@dataclass
+class Plan:
+    """The seed's decision tree applied to one model, with the numbers behind the choice."""
+
+    choice: str  # "plain" | "ZeRO-2 + offload optimizer" | "ZeRO-3 + offload ..." | "NVMe ..."
+    device_need: int  # bytes the chosen setup needs on the device (model states + activations)
+    host_need: int  # bytes it needs in host RAM (0 for plain)
+    reason: str
+
+
+def plan(
+    n_params: int,
+    largest_layer: int,
+    activations: int,
+    budget: int,
+    host_ram: int,
+    bytes_per_param: int = BYTES_PER_PARAM,
+) -> Plan:
+    """Fits -> no DeepSpeed; else ZeRO-2, then ZeRO-3 with CPU offload; else NVMe (seed 000).
+
+    fp32 arithmetic of this course: weights 4 B/param on the device with ZeRO-2; ZeRO-3 keeps
+    only the largest layer's weights and gradients there; the host holds the rest with the same
+    1.5x buffer factor DeepSpeed's estimator uses.
+    """
+    mib = 2**20
+    plain = bytes_per_param * n_params + activations
+    if plain <= budget:
+        return Plan(
+            "plain",
+            plain,
+            0,
+            f"{plain / mib:,.0f} MiB fit the {budget / mib:,.0f} MiB "
+            "budget: DeepSpeed would only add copies and slow the step down",
+        )
+    host = int(1.5 * bytes_per_param * n_params)
+    zero2 = FP32 * n_params + activations
+    if zero2 <= budget and host <= host_ram:
+        return Plan(
+            "ZeRO-2 + offload optimizer",
+            zero2,
+            host,
+            f"the fp32 weights ({FP32 * n_params / mib:,.0f} MiB) and activations fit on "
+            "the device; gradients and optimizer go to host RAM",
+        )
+    zero3 = 2 * FP32 * largest_layer + activations
+    if zero3 <= budget and host <= host_ram:
+        return Plan(
+            "ZeRO-3 + offload optimizer + params",
+            zero3,
+            host,
+            "only one layer's weights and gradients at a time plus activations fit on "
+            "the device; everything else lives in host RAM",
+        )
+    if zero3 <= budget:
+        return Plan(
+            "ZeRO-3 + NVMe offload",
+            zero3,
+            host,
+            f"host RAM ({host_ram / 2**30:,.0f} GiB) is smaller than the "
+            f"{host / 2**30:,.0f} GiB the offloaded states need: offload to NVMe",
+        )
+    return Plan("more devices", zero3, host, "even one layer plus activations exceed the budget")
+
+
+def host_ram_bytes() -> int:
+    """Physical memory of this machine in bytes."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def placement_figure(device: dict[str, dict[str, int]], host: dict[str, int], budget: int):
+    """Two panels: per-run device bytes stacked by category with the budget line; host bytes."""
+    from matplotlib.figure import Figure
+
+    from helpers.plots import CATEGORY_COLORS
+
+    mib = 2**20
+    fig = Figure(figsize=(9, 4), layout="constrained")
+    left, right = fig.subplots(1, 2, sharey=True)
+    labels = list(device)
+    bottoms = [0.0] * len(labels)
+    for cat in ("params", "gradients", "optimizer_state", "activations", "temporaries"):
+        values = [device[lab].get(cat, 0) / mib for lab in labels]
+        left.bar(labels, values, bottom=bottoms, label=cat, color=CATEGORY_COLORS.get(cat))
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    left.plot(labels, [device[lab].get("peak", 0) / mib for lab in labels], "ko", label="peak")
+    left.axhline(budget / mib, color="red", linestyle="--", linewidth=1)
+    left.annotate(
+        "budget",
+        (0, budget / mib),
+        textcoords="offset points",
+        xytext=(0, 3),
+        color="red",
+        fontsize="small",
+    )
+    left.set_ylabel("MiB")
+    left.set_title("on the compute device")
+    left.legend(fontsize="small")
+    right.bar(list(host), [v / mib for v in host.values()], color="#937860")
+    right.set_title("in DeepSpeed's host buffers")
+    for ax in (left, right):
+        ax.tick_params(axis="x", labelrotation=20)
+    return fig

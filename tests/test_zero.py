@@ -1,0 +1,118 @@
+"""helpers.zero: sizes, the decision tree, the device tracker, and one real DeepSpeed run."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from helpers import zero
+from helpers.isolate import call_isolated
+from helpers.models import build_model, count_params, load_config
+from helpers.scale import MiB
+
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+def test_layer_counts_match_a_built_model():
+    model = build_model(load_config("llama-tiny"))
+    total, largest = zero.layer_counts("llama-tiny")
+    assert total == count_params(model)
+    # llama-tiny's largest module is its 1024 x 128 embedding (the untied lm_head is as large).
+    assert largest == 1024 * 128
+
+
+def test_widen_keeps_the_head_size():
+    base = load_config("llama-tiny").to_dict()
+    wide = zero.widen(base, 3)
+    assert wide["hidden_size"] == 3 * base["hidden_size"]
+    assert wide["hidden_size"] // wide["num_attention_heads"] == (
+        base["hidden_size"] // base["num_attention_heads"]
+    )
+    assert wide["num_key_value_heads"] == 3 * base["num_key_value_heads"]
+
+
+def test_oversized_config_is_the_narrowest_that_exceeds_the_budget():
+    budget = 64 * MiB
+    big = zero.oversized_config("llama-tiny", budget, over=1.5, layers=4)
+    n, _ = zero.layer_counts(big)
+    assert 16 * n >= 1.5 * budget
+    factor = big["hidden_size"] // load_config("llama-tiny").hidden_size
+    narrower = zero.widen(
+        {**load_config("llama-tiny").to_dict(), "num_hidden_layers": 4}, factor - 1
+    )
+    assert 16 * zero.layer_counts(narrower)[0] < 1.5 * budget
+
+
+def test_plan_walks_the_decision_tree():
+    gib = 2**30
+    fits = zero.plan(10**6, 10**5, activations=10 * MiB, budget=gib, host_ram=64 * gib)
+    assert fits.choice == "plain" and fits.host_need == 0
+    # 100 M params: 1.6 GB of states > 1 GiB, but the 400 MB fp32 weights fit: ZeRO-2.
+    z2 = zero.plan(10**8, 10**7, activations=100 * MiB, budget=gib, host_ram=64 * gib)
+    assert z2.choice == "ZeRO-2 + offload optimizer" and z2.device_need == 4 * 10**8 + 100 * MiB
+    # 1 B params: the weights alone exceed 1 GiB; one 50 M layer (400 MB) plus activations fits.
+    z3 = zero.plan(10**9, 5 * 10**7, activations=100 * MiB, budget=gib, host_ram=64 * gib)
+    assert z3.choice == "ZeRO-3 + offload optimizer + params"
+    nvme = zero.plan(10**9, 5 * 10**7, activations=100 * MiB, budget=gib, host_ram=8 * gib)
+    assert nvme.choice == "ZeRO-3 + NVMe offload"
+    assert zero.plan(10**9, 5 * 10**8, 0, gib, 64 * gib).choice == "more devices"
+
+
+def test_zero_config_offloads_and_accepts_a_torch_optimizer():
+    cfg = zero.zero_config(3, hidden_size=64, batch_size=2, offload_params=True)
+    z = cfg["zero_optimization"]
+    assert z["stage"] == 3 and z["offload_optimizer"]["device"] == "cpu"
+    assert z["offload_param"]["device"] == "cpu" and z["reduce_bucket_size"] == 64 * 64
+    assert cfg["zero_force_ds_cpu_optimizer"] is False
+    assert "offload_param" not in zero.zero_config(2, 64, 2)["zero_optimization"]
+    with pytest.raises(ValueError):
+        zero.zero_config(2, 64, 2, offload_params=True)
+
+
+def test_one_process_env_is_a_world_of_one():
+    env = zero.one_process_env()
+    assert env["WORLD_SIZE"] == "1" and env["RANK"] == "0" and int(env["MASTER_PORT"]) > 0
+
+
+def test_storage_and_tensor_bytes_count_views_differently():
+    flat = torch.zeros(100)
+    views = [flat[:30], flat[30:]]
+    assert zero.storage_bytes(views) == 400  # one storage behind both views
+    assert zero.tensor_bytes(views) == 400  # 30 + 70 elements
+    assert zero.tensor_bytes([flat[:10]]) == 40 and zero.storage_bytes([flat[:10]]) == 400
+
+
+def test_device_tracker_ignores_host_buffers_and_enforces_the_budget():
+    host = torch.zeros(1024, 1024)  # 4 MiB "offloaded"
+    with zero.DeviceTracker(torch.device("cpu"), {host.untyped_storage().data_ptr()}) as tracker:
+        host.add_(1)  # in place: no allocation
+        _ = host * 2  # 4 MiB on the device side
+        view = host[:10]  # a view of a host buffer is not device memory
+        view.sum()
+    assert 4 * MiB <= tracker.device_peak < 4 * MiB + 4096
+    fetched = zero.DeviceTracker(
+        torch.device("cpu"), set(), budget=5 * MiB, fetched=lambda: 2 * MiB
+    )
+    with pytest.raises(torch.OutOfMemoryError, match="fetched"):
+        with fetched:
+            torch.zeros(1024, 1024)  # 4 MiB + 2 MiB of fetched weights > 5 MiB
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed")
+def test_zero3_offload_in_one_process_matches_plain_training():
+    from helpers.train import RunConfig, Trainee
+
+    run = zero.ZeroRun(model="llama-tiny", stage=3, batch_size=2, seq_len=16, warmup=1, repeats=1)
+    out = call_isolated(zero.measure_zero, run)
+    assert out.error is None, out.error
+    rec = out.value
+    n = rec.n_params
+    assert rec.memory["resident_params"] < 0.05 * 4 * n  # only the small persistent params
+    assert rec.memory["offloaded_optimizer_state"] >= 8 * n
+    assert 0 < rec.memory["fetched"] <= 4 * n
+    trainee = Trainee(RunConfig(model="llama-tiny", batch_size=2, seq_len=16))
+    plain = [trainee.step() for _ in range(2)]
+    assert rec.losses[0] == pytest.approx(plain[0], rel=1e-6)  # same init, batch, forward
+    assert rec.losses[1] == pytest.approx(plain[1], rel=1e-4)  # same AdamW step
