@@ -2,6 +2,7 @@
 #
 #   make test      lint, the helpers' tests, and every notebook executed with nbval
 #   make course    execute every notebook in order, keep the executed copies, print the summary
+#                  table and, last, the capstone's ablation next to the seed's
 #   make lab       start JupyterLab on the notebooks
 #   make lint      ruff check + ruff format --check
 #   make format    strip notebook outputs, ruff check --fix, ruff format
@@ -149,6 +150,7 @@ course: $(ENV_READY)
 	done; \
 	echo "Executed notebooks are in $(EXECUTED_DIR)/; results in $(COURSE_RESULTS_FILE)"; \
 	$(PYTHON) -m helpers summary; \
+	echo; $(PYTHON) -m helpers capstone; \
 	if [ $${#failed[@]} -ne 0 ]; then \
 	  echo "Failed notebooks (the traceback is printed above each FAILED line):"; \
 	  printf '  %s\n' "$${failed[@]}"; \

@@ -211,6 +211,30 @@ def _summary(args) -> int:
     return 0
 
 
+def _capstone(args) -> int:
+    import pandas as pd
+
+    from helpers.capstone import SEED_DEVICE, ablation_table, device_memory, latest_records
+    from helpers.results import default_store, load
+
+    path = args.results or default_store()
+    records = latest_records(load(path))
+    if not records:
+        print(f"no ablation recorded in {path} yet: run notebooks/14_putting_it_together.ipynb")
+        return 0
+    table = ablation_table(records)
+    any_rec = next(iter(records.values()))
+    view = device_memory(records["vanilla"])[1] if "vanilla" in records else "?"
+    with pd.option_context("display.width", 200, "display.max_columns", None):
+        print(
+            f"The seed's ablation on {any_rec.device.get('name', '?')} "
+            f"({any_rec.config.get('model')}, seq {any_rec.config.get('seq_len')}; memory: "
+            f"{view}) against {SEED_DEVICE}, each as a ratio to its own vanilla run:"
+        )
+        print(table.round(2).to_string())
+    return 0
+
+
 def _hardware(args) -> int:
     from helpers.hardware import hardware_report
 
@@ -284,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("summary", help="print the table of recorded experiments")
     s.add_argument("--results", default=None, help="results store (default: $COURSE_RESULTS)")
     s.set_defaults(func=_summary)
+
+    c = sub.add_parser("capstone", help="print lesson 14's ablation table next to the seed's")
+    c.add_argument("--results", default=None, help="results store (default: $COURSE_RESULTS)")
+    c.set_defaults(func=_capstone)
 
     sub.add_parser("hardware", help="print the hardware report").set_defaults(func=_hardware)
     sub.add_parser("doctor", help="check the course's packages").set_defaults(func=_doctor)

@@ -163,6 +163,18 @@ def test_notebooks_are_numbered_lessons():
     assert len(numbers) == len(set(numbers)), f"two lessons share a number: {numbers}"
 
 
+def test_readme_lesson_table_links_every_notebook():
+    """Each lesson has a row in README's table, linking its notebook, with a tiny-scale time."""
+    readme = (ROOT / "README.md").read_text()
+    for path in NOTEBOOKS:
+        row = next(
+            (line for line in readme.splitlines() if f"(notebooks/{path.name})" in line), None
+        )
+        assert row is not None, f"README's lesson table has no row linking notebooks/{path.name}"
+        assert row.startswith(f"| {path.name[:2]} |"), row
+        assert re.search(r"~\d+ s \|$", row), f"{path.name}: the row's last cell is its time"
+
+
 def test_clean_notebooks_tool_agrees(tmp_path: Path):
     """tools/clean_notebooks.py turns a dirty notebook into one this file accepts."""
     sys.path.insert(0, str(ROOT / "tools"))

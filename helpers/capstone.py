@@ -1,0 +1,181 @@
+"""The seed's ablation (its single-GPU guide, V100 16 GB) rebuilt as RunConfigs, and its table.
+
+Seed 002 trains bert-large (sequence length 512, 512 samples, effective batch 4) with the
+Trainer nine ways and prints samples/s and the GPU memory nvidia-smi reports. Its figures are
+kept here as published; the course compares them with a run on the learner's machine as
+ratios to each side's vanilla run, because absolute numbers from a V100 and from (say) a
+laptop CPU cannot be compared, while "what does this technique do relative to doing nothing"
+can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from matplotlib.figure import Figure
+
+from helpers.hardware import precision_problem
+from helpers.results import Record
+from helpers.train import RunConfig
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One row of the seed's ablation: what it changes and what the seed measured."""
+
+    label: str
+    batch_size: int
+    grad_accum: int
+    checkpointing: bool
+    half: bool  # 16-bit mixed precision (the seed used fp16)
+    optimizer: str
+    seed_samples_per_s: float
+    seed_mb: int  # nvidia-smi "GPU memory occupied", MB (CUDA context included)
+
+
+# Seed 002 ("Efficient Training on a Single GPU", transformers v4.30 docs), its printed results.
+SEED_RECIPES = (
+    Recipe("vanilla", 4, 1, False, False, "adamw", 8.86, 14949),
+    Recipe("bs1 + accum 4", 1, 4, False, False, "adamw", 7.75, 8681),
+    Recipe("bs1 + accum 4 + ckpt", 1, 4, True, False, "adamw", 5.99, 6775),
+    Recipe("16-bit", 4, 1, False, True, "adamw", 18.64, 13939),
+    Recipe("accum + ckpt + 16-bit", 1, 4, True, True, "adamw", 10.09, 7275),
+    Recipe("Adafactor", 4, 1, False, False, "adafactor", 7.96, 12295),
+    Recipe("Adafactor + accum + ckpt + 16-bit", 1, 4, True, True, "adafactor", 9.06, 4847),
+    Recipe("8-bit AdamW", 4, 1, False, False, "adamw8bit", 9.15, 13085),
+    Recipe("8-bit + accum + ckpt + 16-bit", 1, 4, True, True, "adamw8bit", 10.35, 5363),
+)
+SEED_DEVICE = "Tesla V100-SXM2 16 GB (seed 002)"
+SEED_CONTEXT_MB = 1343  # the seed's nvidia-smi reading after one tiny tensor: the CUDA context
+
+
+def half_precision(device: torch.device) -> str:
+    """The 16-bit format for the ablation: fp16 as in the seed, bf16 where fp16 is refused."""
+    for name in ("fp16", "bf16"):
+        if precision_problem(name, device) is None:
+            return name
+    raise ValueError(f"{device}: neither fp16 nor bf16 autocast works here")
+
+
+def recipe_config(recipe: Recipe, base: RunConfig, half: str) -> RunConfig:
+    """``base`` (model, sequence, batch of the vanilla run) changed the way ``recipe`` says."""
+    if recipe.grad_accum > 1:  # keep the effective batch: micro-batch x accumulation steps
+        batch = max(1, base.batch_size // recipe.grad_accum)
+        accum = base.batch_size // batch
+    else:
+        batch, accum = base.batch_size, 1
+    return replace(
+        base,
+        batch_size=batch,
+        grad_accum=accum,
+        gradient_checkpointing=recipe.checkpointing,
+        precision=half if recipe.half else base.precision,
+        optimizer=recipe.optimizer,
+        label=recipe.label,
+    )
+
+
+def device_memory(record: Record) -> tuple[int | None, str]:
+    """The memory figure closest to the seed's: NVML (view 3) if measured, else the exact peak."""
+    if record.nvml_used:
+        return record.nvml_used, "NVML device memory (view 3, as nvidia-smi)"
+    if record.memory:
+        return record.memory["peak"], "exact tracked peak (view 1)"
+    return None, "not measured"
+
+
+def ablation_table(records: dict[str, Record]):
+    """Ours next to the seed's, each as a ratio to its own vanilla run (a pandas DataFrame)."""
+    import pandas as pd
+
+    vanilla = records.get("vanilla")
+    base_mem = device_memory(vanilla)[0] if vanilla and vanilla.ok else None
+    base_speed = vanilla.samples_per_s if vanilla and vanilla.ok else None
+    seed0 = SEED_RECIPES[0]
+    rows = []
+    for recipe in SEED_RECIPES:
+        rec = records.get(recipe.label)
+        mem = device_memory(rec)[0] if rec and rec.ok else None
+        speed = rec.samples_per_s if rec and rec.ok else None
+        rows.append(
+            {
+                "recipe": recipe.label,
+                "samples/s": speed,
+                "memory MiB": None if mem is None else mem / MiB,
+                "speed ratio": speed / base_speed if speed and base_speed else None,
+                "memory ratio": mem / base_mem if mem and base_mem else None,
+                "seed samples/s": recipe.seed_samples_per_s,
+                "seed MB": recipe.seed_mb,
+                "seed speed ratio": recipe.seed_samples_per_s / seed0.seed_samples_per_s,
+                "seed memory ratio": recipe.seed_mb / seed0.seed_mb,
+                "status": "not run" if rec is None else ("ok" if rec.ok else rec.error_type),
+            }
+        )
+    return pd.DataFrame(rows).set_index("recipe")
+
+
+def latest_records(records: list[Record], lesson: str = "14") -> dict[str, Record]:
+    """The newest record of each seed recipe from a results store's records."""
+    labels = {r.label for r in SEED_RECIPES}
+    out: dict[str, Record] = {}
+    for rec in records:
+        if rec.lesson == lesson and rec.label in labels:
+            out[rec.label] = rec
+    return out
+
+
+def tradeoff_figure(table, title: str = "") -> Figure:
+    """Memory ratio against speed ratio, ours and the seed's, one point per recipe."""
+    fig = Figure(figsize=(7.5, 5), layout="constrained")
+    ax = fig.add_subplot()
+    ours = table.dropna(subset=["speed ratio", "memory ratio"])
+    ax.scatter(ours["memory ratio"], ours["speed ratio"], color="#4C72B0", label="this machine")
+    ax.scatter(
+        table["seed memory ratio"],
+        table["seed speed ratio"],
+        color="#C44E52",
+        marker="s",
+        label="seed, V100",
+    )
+    for name, row in table.iterrows():
+        short = SHORT.get(name, name)
+        if name in ours.index:
+            ax.annotate(
+                short,
+                (row["memory ratio"], row["speed ratio"]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+                color="#4C72B0",
+            )
+        ax.annotate(
+            short,
+            (row["seed memory ratio"], row["seed speed ratio"]),
+            fontsize=7,
+            xytext=(3, -9),
+            textcoords="offset points",
+            color="#C44E52",
+        )
+    ax.axhline(1, color="grey", lw=0.5)
+    ax.axvline(1, color="grey", lw=0.5)
+    ax.set_xlabel("memory / vanilla's (left is leaner)")
+    ax.set_ylabel("samples/s / vanilla's (up is faster)")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    return fig
+
+
+SHORT = {
+    "vanilla": "vanilla",
+    "bs1 + accum 4": "GA",
+    "bs1 + accum 4 + ckpt": "GA+GC",
+    "16-bit": "16b",
+    "accum + ckpt + 16-bit": "GA+GC+16b",
+    "Adafactor": "Adaf",
+    "Adafactor + accum + ckpt + 16-bit": "Adaf+3",
+    "8-bit AdamW": "8bit",
+    "8-bit + accum + ckpt + 16-bit": "8bit+3",
+}

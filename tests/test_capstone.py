@@ -1,0 +1,101 @@
+"""The capstone's recipes, its table arithmetic and the CLI that prints it after `make course`."""
+
+import pytest
+import torch
+from matplotlib.figure import Figure
+
+from helpers import cli, results
+from helpers.capstone import (
+    SEED_RECIPES,
+    ablation_table,
+    half_precision,
+    latest_records,
+    recipe_config,
+    tradeoff_figure,
+)
+from helpers.results import Record
+from helpers.train import RunConfig
+
+
+def test_recipes_keep_the_effective_batch_and_change_one_thing_each():
+    base = RunConfig(model="bert-tiny", batch_size=4, seq_len=16, precision="fp32")
+    for recipe in SEED_RECIPES:
+        cfg = recipe_config(recipe, base, "fp16")
+        assert cfg.batch_size * cfg.grad_accum == 4, recipe.label
+        assert cfg.label == recipe.label
+        assert cfg.gradient_checkpointing == recipe.checkpointing
+        assert cfg.precision == ("fp16" if recipe.half else "fp32")
+        assert cfg.optimizer == recipe.optimizer
+        assert (cfg.model, cfg.seq_len) == ("bert-tiny", 16)
+    # The seed's own effective batches: 4 x 1 or 1 x 4.
+    assert {(r.batch_size, r.grad_accum) for r in SEED_RECIPES} == {(4, 1), (1, 4)}
+
+
+def test_half_precision_on_cpu_is_a_format_autocast_accepts():
+    assert half_precision(torch.device("cpu")) in ("fp16", "bf16")
+
+
+def _record(label, samples, peak, nvml=None, error=None):
+    memory = None if error else {"peak": peak, "optimizer_state": 1}
+    return Record(
+        {"label": label, "model": "m", "seq_len": 8},
+        {"name": "dev"},
+        memory=memory,
+        nvml_used=nvml,
+        samples_per_s=samples,
+        error=error,
+        error_type="oom" if error else None,
+    )
+
+
+def test_table_divides_each_side_by_its_own_vanilla():
+    records = {
+        "vanilla": _record("vanilla", 10.0, 100),
+        "16-bit": _record("16-bit", 25.0, 80),
+        "Adafactor": _record("Adafactor", None, None, error="OutOfMemoryError: x"),
+    }
+    table = ablation_table(records)
+    assert table.loc["vanilla", "speed ratio"] == 1.0
+    assert table.loc["16-bit", "speed ratio"] == pytest.approx(2.5)
+    assert table.loc["16-bit", "memory ratio"] == pytest.approx(0.8)
+    assert table.loc["16-bit", "seed speed ratio"] == pytest.approx(18.64 / 8.86)
+    assert table.loc["16-bit", "seed memory ratio"] == pytest.approx(13939 / 14949)
+    assert table.loc["Adafactor", "status"] == "oom"
+    assert table.loc["8-bit AdamW", "status"] == "not run"
+    assert table["speed ratio"].isna().sum() == 7  # only measured rows get ratios
+
+
+def test_nvml_is_preferred_when_measured_as_the_seed_read_nvidia_smi():
+    records = {
+        "vanilla": _record("vanilla", 10.0, 100, nvml=1000),
+        "16-bit": _record("16-bit", 20.0, 10, nvml=900),
+    }
+    assert ablation_table(records).loc["16-bit", "memory ratio"] == pytest.approx(0.9)
+
+
+def test_latest_records_keeps_the_newest_run_of_each_recipe_of_lesson_14():
+    old, new = _record("vanilla", 1.0, 10), _record("vanilla", 2.0, 10)
+    other = _record("vanilla", 3.0, 10)
+    old.lesson = new.lesson = "14"
+    other.lesson = "02"
+    picked = latest_records([old, other, new])
+    assert picked == {"vanilla": new}
+
+
+def test_tradeoff_figure_is_returned_not_shown():
+    table = ablation_table({"vanilla": _record("vanilla", 10.0, 100)})
+    assert isinstance(tradeoff_figure(table, "t"), Figure)
+
+
+def test_cli_prints_the_capstone_table(tmp_path, capsys):
+    store = tmp_path / "r.jsonl"
+    assert cli.main(["capstone", "--results", str(store)]) == 0
+    assert "no ablation recorded" in capsys.readouterr().out
+    results.save(_record("vanilla", 10.0, 100), lesson="14", path=store)
+    results.save(_record("bs1 + accum 4", 8.0, 60), lesson="14", path=store)
+    assert cli.main(["capstone", "--results", str(store)]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("bs1 + accum 4 "))
+    numbers = [float(x) for x in row.removeprefix("bs1 + accum 4").split()[:-1]]
+    assert 0.8 in numbers and 0.6 in numbers  # ours: speed 8/10, memory 60/100
+    assert 0.87 in numbers and 0.58 in numbers  # the seed's: 7.75/8.86, 8681/14949
