@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from matplotlib.figure import Figure
+from matplotlib.ticker import ScalarFormatter
 
 from helpers.hardware import precision_problem
 from helpers.results import Record
@@ -162,7 +163,9 @@ def tradeoff_figure(table, title: str = "") -> Figure:
     ax.axhline(1, color="grey", lw=0.5)
     ax.axvline(1, color="grey", lw=0.5)
     ax.set_xlabel("memory / vanilla's (left is leaner)")
-    ax.set_ylabel("samples/s / vanilla's (up is faster)")
+    ax.set_yscale("log")  # ratios: 2x faster and 2x slower lie equally far from 1
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.set_ylabel("samples/s / vanilla's (up is faster, log scale)")
     ax.set_title(title)
     ax.legend(fontsize="small")
     return fig
