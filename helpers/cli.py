@@ -23,25 +23,11 @@ def _fail(message: str) -> int:
     return EXIT_BAD_INPUT
 
 
-def _measure(args) -> int:
-    from helpers.models import load_config
-    from helpers.results import save
-    from helpers.train import OPTIMIZERS, RunConfig, measure
+def _run_config(args):
+    """The RunConfig that ``measure`` and ``estimate`` share, from their common arguments."""
+    from helpers.train import RunConfig
 
-    if args.optimizer not in OPTIMIZERS:
-        return _fail(f"unknown optimizer {args.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    if args.batch_size < 1 or args.seq_len < 1:
-        return _fail("--batch-size and --seq-len must be positive")
-    try:
-        config = load_config(args.model)
-    except Exception as err:  # missing file, bad JSON, unknown model type, no hub
-        return _fail(f"cannot read model config {args.model!r}: {type(err).__name__}: {err}")
-    if args.seq_len > getattr(config, "max_position_embeddings", args.seq_len):
-        return _fail(
-            f"--seq-len {args.seq_len} exceeds the config's max_position_embeddings "
-            f"({config.max_position_embeddings})"
-        )
-    cfg = RunConfig(
+    return RunConfig(
         model=args.model,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
@@ -52,7 +38,30 @@ def _measure(args) -> int:
         warmup=args.warmup,
         repeats=args.repeats,
         device=args.device,
+        lora_r=args.lora_r,
+        lora_targets=args.lora_targets,
     )
+
+
+def _measure(args) -> int:
+    from helpers.models import load_config
+    from helpers.results import save
+    from helpers.train import OPTIMIZERS, measure
+
+    if args.optimizer not in OPTIMIZERS:
+        return _fail(f"unknown optimizer {args.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+    if args.batch_size < 1 or args.seq_len < 1 or args.lora_r < 0:
+        return _fail("--batch-size and --seq-len must be positive, --lora-r not negative")
+    try:
+        config = load_config(args.model)
+    except Exception as err:  # missing file, bad JSON, unknown model type, no hub
+        return _fail(f"cannot read model config {args.model!r}: {type(err).__name__}: {err}")
+    if args.seq_len > getattr(config, "max_position_embeddings", args.seq_len):
+        return _fail(
+            f"--seq-len {args.seq_len} exceeds the config's max_position_embeddings "
+            f"({config.max_position_embeddings})"
+        )
+    cfg = _run_config(args)
     try:
         record = measure(replace(cfg, flops=not args.no_flops))
     except ValueError as err:  # a precision this device lacks, and similar checks
@@ -96,24 +105,15 @@ def _print_summary(summary: dict, as_json: bool) -> None:
 
 
 def _estimate(args) -> int:
-    from helpers.estimate import estimate
+    from helpers.estimate import estimate_run
     from helpers.train import OPTIMIZERS
 
     if args.optimizer not in OPTIMIZERS:
         return _fail(f"unknown optimizer {args.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    if args.batch_size < 1 or args.seq_len < 1:
-        return _fail("--batch-size and --seq-len must be positive")
+    if args.batch_size < 1 or args.seq_len < 1 or args.lora_r < 0:
+        return _fail("--batch-size and --seq-len must be positive, --lora-r not negative")
     try:
-        est = estimate(
-            args.model,
-            args.batch_size,
-            args.seq_len,
-            precision=args.precision,
-            optimizer=args.optimizer,
-            gradient_checkpointing=args.gradient_checkpointing,
-            attn=args.attn,
-            device=args.device,
-        )
+        est = estimate_run(_run_config(args))
     except (OSError, ValueError, KeyError) as err:  # unreadable config, unknown family, limits
         return _fail(f"cannot estimate {args.model!r}: {type(err).__name__}: {err}")
     fields = (
@@ -276,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16", "fp16"])
         p.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor | adamw8bit")
         p.add_argument("--gradient-checkpointing", action="store_true")
+        p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (peft); 0: train all")
+        p.add_argument(
+            "--lora-targets", default="", help='LoRA modules: "q_proj,v_proj", "all-linear"'
+        )
         p.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
         p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator)")
         p.add_argument("--warmup", type=int, default=1)

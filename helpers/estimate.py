@@ -61,6 +61,18 @@ Temporaries and the peak
     accumulation keeps every gradient alive through later micro-batches. The peak is the
     largest of these moments and ``peak_at`` names it ("backward: loss", "optimizer step"...).
 
+LoRA (``lora_r`` > 0, the adapters peft's ``get_peft_model`` adds; see helpers.lora)
+    The model is wrapped by peft on the meta device too, so the adapters are real tensors of
+    the model and every frozen weight is marked not trainable: params = 4 B x (base +
+    adapters), and gradients, optimizer state and optimizer scratch count the adapters only
+    (exact). Each adapter keeps its A's output (T·r·e) for B's weight gradient. Everything
+    else keeps the full fine-tuning account above, with autocast copies of frozen weights
+    counted like trainable ones, which makes activations and peak an upper bound for LoRA:
+    a frozen Linear needs its weight, not its input, for the input gradient, so layers
+    without an adapter (and every layer before the first adapter, whose input needs no
+    gradient at all) save less than in full fine-tuning. The bound is measured in
+    tests/test_lora.py and lesson 13.
+
 The tracker's own conventions are followed (tensors recomputed outside a submodule, like
 Llama's residual sums, are temporaries; a tied weight's first gradient stays a temporary until
 the embedding adds its own; the batch is not tracked). Only CPU behaviour is checked against
@@ -144,11 +156,14 @@ class ModelInfo:
         )
 
     def stage_numel(self, stage: str, cast_only: bool = False) -> int:
-        """Trainable numbers in ``stage`` (only the autocast-cast ones with ``cast_only``)."""
+        """Trainable numbers in ``stage``; with ``cast_only``, the autocast-cast ones, frozen too.
+
+        Autocast makes a 16-bit copy of every weight that enters a matmul, trainable or not.
+        """
         return sum(
             p.numel
             for p in self.params
-            if p.stage == stage and p.trainable and (p.cast or not cast_only)
+            if p.stage == stage and (p.cast if cast_only else p.trainable)
         )
 
 
@@ -169,8 +184,14 @@ def _family(model_type: str) -> str:
     )
 
 
-def describe_model(model, attn: str = "eager") -> ModelInfo:
-    """Build ``model`` (name, path, dict or config) on the meta device and list its tensors."""
+def describe_model(
+    model, attn: str = "eager", lora_r: int = 0, lora_targets: str = ""
+) -> ModelInfo:
+    """Build ``model`` (name, path, dict or config) on the meta device and list its tensors.
+
+    With ``lora_r`` > 0 peft adds LoRA adapters of that rank to ``lora_targets`` (as
+    ``RunConfig.lora_targets``) and freezes everything else, as ``helpers.train.Trainee`` does.
+    """
     from transformers import (
         AutoModelForCausalLM,
         AutoModelForSequenceClassification,
@@ -188,6 +209,10 @@ def describe_model(model, attn: str = "eager") -> ModelInfo:
     )
     with torch.device("meta"):
         net = auto.from_config(config, attn_implementation=attn, dtype=torch.float32)
+        if lora_r:
+            from helpers.lora import apply_lora
+
+            net = apply_lora(net, lora_r, lora_targets)
     owner = {}  # the first module that holds each parameter (for a tied weight: the embedding)
     for mod in net.modules():
         for p in mod.parameters(recurse=False):
@@ -1002,12 +1027,16 @@ def estimate(
     attn: str = "eager",
     grad_accum: int = 1,
     device: str | torch.device | None = None,
+    lora_r: int = 0,
+    lora_targets: str = "",
 ) -> Estimate:
     """Predicted per-category bytes of one steady-state training step (see the module doc).
 
     ``model`` is a bundled name, a config JSON path, a dict, a transformers config or a
     ``ModelInfo`` from ``describe_model`` (reuse one to estimate many settings quickly).
     ``device`` (default: ``helpers.scale.default_device()``) picks CPU or CUDA behaviour.
+    ``lora_r`` > 0 trains LoRA adapters of that rank on ``lora_targets`` instead of every
+    weight (as ``RunConfig``; ignored when ``model`` is a ModelInfo, which already says it).
     """
     from helpers.scale import default_device
 
@@ -1019,7 +1048,7 @@ def estimate(
         raise ValueError(f"unknown attention {attn!r}: use eager or sdpa")
     if batch_size < 1 or seq_len < 1 or grad_accum < 1:
         raise ValueError("batch size, sequence length and accumulation must be positive")
-    info = describe_model(model, attn)
+    info = describe_model(model, attn, lora_r, lora_targets)
     limit = info.config.get("max_position_embeddings")
     if limit and seq_len > limit:
         raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings ({limit})")
@@ -1028,6 +1057,7 @@ def estimate(
     z = _Shape(b=batch_size, s=seq_len, ea=PRECISION_BYTES[precision], amp=amp, dev=dev.type)
     build = _encoder_stages if info.family == "encoder" else _decoder_stages
     stages = build(info, z, attn, gradient_checkpointing)
+    _add_adapters(stages, info, z)
     trainable = [p for p in info.params if p.trainable]
     params = FP32 * info.n_params
     grads = FP32 * info.n_trainable
@@ -1058,6 +1088,26 @@ def estimate(
     )
 
 
+def _add_adapters(stages: list[Stage], m: ModelInfo, z: _Shape) -> None:
+    """LoRA adapters' own tensors: A's outputs, and peft's fp32 input casts under autocast."""
+    kept: dict[str, int] = {}
+    widest: dict[str, int] = {}
+    for p in m.params:
+        if p.trainable and ".lora_A." in p.name:  # A is (r, in)
+            kept[p.stage] = kept.get(p.stage, 0) + z.t * p.shape[0] * z.ea
+            widest[p.stage] = max(widest.get(p.stage, 0), p.shape[1])
+    for st in stages:
+        if not kept.get(st.name):
+            continue
+        # B keeps A's output (T x r) for its weight gradient until this stage's backward.
+        st.saved["LoRA A outputs (B's input)"] = kept[st.name]
+        if z.amp:
+            # peft casts a 16-bit input to the adapter's fp32 dtype before A (which autocast
+            # casts back): one fp32 T x in copy alive at a time, and its gradient in backward.
+            st.transient["peft's fp32 copy of an adapter input"] = FP32 * z.t * widest[st.name]
+            st.backward.append(Moment(temp=(FP32 + 2 * 2) * z.t * widest[st.name]))
+
+
 def estimate_run(cfg) -> Estimate:
     """``estimate`` for a ``helpers.train.RunConfig`` (the same fields ``measure`` reads)."""
     return estimate(
@@ -1070,4 +1120,6 @@ def estimate_run(cfg) -> Estimate:
         attn=cfg.attn,
         grad_accum=cfg.grad_accum,
         device=cfg.device,
+        lora_r=getattr(cfg, "lora_r", 0),
+        lora_targets=getattr(cfg, "lora_targets", ""),
     )

@@ -54,6 +54,13 @@ class CategoryPeaks:
         return asdict(self)
 
 
+class _NoHook:
+    """A stand-in hook handle for a frozen parameter: removing it does nothing."""
+
+    def remove(self) -> None:
+        """Nothing to remove."""
+
+
 class CategoryTracker(MemTracker):
     """``MemTracker`` plus what this course needs from it.
 
@@ -67,7 +74,10 @@ class CategoryTracker(MemTracker):
       count those as temporaries, and MemTracker's post-step hook still relabels the real state
       (exp_avg, exp_avg_sq, ...) as optimizer state, so that category is the state alone;
     - it has no budget: with ``budget`` set, growing past it raises ``torch.OutOfMemoryError``
-      like a full GPU would, so "does it fit in 16 GB?" behaves the same on a laptop.
+      like a full GPU would, so "does it fit in 16 GB?" behaves the same on a laptop;
+    - it puts a gradient hook on every parameter, and ``register_hook`` refuses a frozen one
+      (LoRA, lesson 13): frozen weights are marked as hooked already, so MemTracker skips the
+      hook and still counts them as parameters.
     """
 
     def __init__(self, budget: int | None = None) -> None:
@@ -79,6 +89,13 @@ class CategoryTracker(MemTracker):
         self._force_temp = False
         self._copies_live = 0
         self.copies_max = 0
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        if install_grad_hooks:
+            for p in module.parameters():
+                if not p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
+                    self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
         super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)

@@ -41,6 +41,8 @@ class RunConfig:
     seed: int = 0
     flops: bool = True  # count FLOPs of a step (one extra step) for MFU
     label: str = ""  # a short name for tables and plots
+    lora_r: int = 0  # LoRA rank (peft); 0 = full fine-tuning, every weight trained
+    lora_targets: str = ""  # comma-separated module names, "all-linear", "" = peft's default
 
     def as_dict(self) -> dict:
         """Plain dict for records and JSON."""
@@ -107,6 +109,10 @@ class Trainee:
         self.model = build_model(self.config, cfg.attn, self.device, cfg.seed)
         if cfg.gradient_checkpointing:
             enable_checkpointing(self.model)
+        if cfg.lora_r:  # freeze the weights and add adapters before the optimizer sees them
+            from helpers.lora import apply_lora
+
+            self.model = apply_lora(self.model, cfg.lora_r, cfg.lora_targets)
         self.model.train()
         self.n_params = count_params(self.model)
         self.optimizer = make_optimizer(cfg.optimizer, self.model)

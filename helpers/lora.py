@@ -1,0 +1,131 @@
+"""LoRA with the peft package: adapters on a model, counted by hand and by peft, on any device.
+
+LoRA (Hu et al., 2021) freezes a Linear layer's weight W (out x in) and learns a low-rank
+update beside it: y = W x + (alpha / r) B A x, with A (r x in) and B (out x r). B starts at
+zero, so the adapted model starts out equal to the base model. Each adapted layer adds
+r·(in + out) trainable numbers; the frozen weights keep no gradients and no optimizer state.
+``helpers.train.RunConfig(lora_r=...)`` trains this way and ``helpers.estimate`` predicts it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from helpers.models import task_kind
+
+
+def parse_targets(targets: str) -> list[str] | str | None:
+    """RunConfig.lora_targets as peft takes it: a list of names, "all-linear", or None (default)."""
+    targets = targets.strip()
+    if not targets:
+        return None
+    if targets == "all-linear":
+        return targets
+    return [t.strip() for t in targets.split(",") if t.strip()]
+
+
+def lora_config(kind: str, r: int, targets: str = "", alpha: float | None = None):
+    """A peft LoraConfig: rank r, alpha 2r unless given, no dropout, the task from ``kind``."""
+    from peft import LoraConfig, TaskType
+
+    if r < 1:
+        raise ValueError(f"LoRA rank must be at least 1, got {r}")
+    task = TaskType.SEQ_CLS if kind == "classify" else TaskType.CAUSAL_LM
+    return LoraConfig(
+        r=r,
+        lora_alpha=2 * r if alpha is None else alpha,
+        target_modules=parse_targets(targets),
+        lora_dropout=0.0,
+        task_type=task,
+    )
+
+
+def apply_lora(model: torch.nn.Module, r: int, targets: str = "", alpha: float | None = None):
+    """``peft.get_peft_model`` on a transformers model: weights frozen, adapters added."""
+    from peft import get_peft_model
+
+    config = lora_config(task_kind(model.config), r, targets, alpha)
+    with warnings.catch_warnings():  # peft calls a transformers method renamed in v5
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        return get_peft_model(model, config)
+
+
+def target_names(model: torch.nn.Module, targets: str = "") -> list[str]:
+    """Names of the nn.Linear modules peft adapts for ``targets`` (as RunConfig.lora_targets)."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+    wanted = parse_targets(targets)
+    if wanted is None:
+        wanted = DEFAULTS[model.config.model_type]
+    output = model.get_output_embeddings()
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if wanted == "all-linear":  # every Linear but the output layer (peft's rule)
+            if module is not output:
+                out.append(name)
+        elif name.split(".")[-1] in wanted:
+            out.append(name)
+    return out
+
+
+def adapter_params(model: torch.nn.Module, r: int, targets: str = "") -> int:
+    """LoRA's trainable numbers counted by hand: r·(in + out) per adapted Linear."""
+    total = 0
+    for name in target_names(model, targets):
+        linear = model.get_submodule(name)
+        total += r * (linear.in_features + linear.out_features)
+    return total
+
+
+def rank_for(model: torch.nn.Module, n_adapter: float, targets: str = "") -> int:
+    """The rank whose adapters come closest to ``n_adapter`` trainable numbers."""
+    per_rank = adapter_params(model, 1, targets)
+    return max(1, round(n_adapter / per_rank))
+
+
+def meta_model(config):
+    """The model for ``config`` (name, path, dict or config) on the meta device: no storage."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from helpers.models import load_config
+
+    config = config if hasattr(config, "model_type") else load_config(config)
+    auto = (
+        AutoModelForSequenceClassification
+        if task_kind(config) == "classify"
+        else AutoModelForCausalLM
+    )
+    with torch.device("meta"):
+        return auto.from_config(config, dtype=torch.float32)
+
+
+def trainable_counts(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(trainable numbers, all numbers, trainable tensors) of a model, tied weights once."""
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    return sum(p.numel() for p in trainable), sum(p.numel() for p in params), len(trainable)
+
+
+def proportion_figure(x, measured: dict, slopes: dict, xlabel: str, ylabel: str, title: str = ""):
+    """Log-log: measured points as markers, y = slope·x as grey reference lines."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.add_subplot()
+    for (name, ys), marker in zip(measured.items(), "osD^v", strict=False):
+        ax.plot(x, ys, marker, markersize=9, markerfacecolor="none", label=name)
+    lo, hi = min(x), max(x)
+    for (name, slope), style in zip(slopes.items(), ("--", ":", "-."), strict=False):
+        ax.plot([lo, hi], [slope * lo, slope * hi], style, color="grey", label=name)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize="small", loc="upper left")
+    ax.grid(alpha=0.3)
+    return fig

@@ -1,0 +1,117 @@
+"""LoRA: hand count = peft count; measured and estimated state follow the adapters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.estimate import describe_model, estimate_run, training_state
+from helpers.lora import (
+    adapter_params,
+    apply_lora,
+    meta_model,
+    rank_for,
+    trainable_counts,
+)
+from helpers.memory import CategoryTracker
+from helpers.models import build_model, load_config
+from helpers.train import RunConfig, Trainee, measure
+
+
+@pytest.mark.parametrize("targets", ["", "all-linear", "q_proj,k_proj,v_proj,o_proj"])
+def test_hand_count_is_peft_count_and_the_start_is_the_base(targets):
+    model = build_model(load_config("llama-tiny"))
+    ids = torch.randint(0, 1024, (2, 16))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    hand = adapter_params(model, 4, targets)
+    n_base = sum(p.numel() for p in model.parameters())
+    peft_model = apply_lora(model, 4, targets)
+    trainable, total, _ = trainable_counts(peft_model)
+    assert peft_model.get_nb_trainable_parameters() == (trainable, total)
+    assert trainable == hand and total == n_base + hand
+    with torch.no_grad():  # B = 0: the adapted model computes exactly what the base did
+        assert torch.equal(peft_model(input_ids=ids).logits, before)
+
+
+def test_classifier_head_stays_trainable_for_encoders():
+    model = build_model(load_config("bert-tiny"))
+    hand = adapter_params(model, 4)  # peft's default for BERT: query and value
+    head = sum(p.numel() for p in model.classifier.parameters())
+    peft_model = apply_lora(model, 4)
+    # A new task's head is random: peft trains a copy of it next to the adapters.
+    assert trainable_counts(peft_model)[0] == hand + head
+
+
+def test_seven_billion_arithmetic_from_the_config():
+    net = meta_model("llama-7b")
+    assert adapter_params(net, 1, "all-linear") == 32 * (4 * 8192 + 3 * (4096 + 11008))
+    r = rank_for(net, 200e6, "all-linear")
+    assert r == 80
+    info = describe_model("llama-7b", lora_r=r, lora_targets="all-linear")
+    assert info.n_trainable == adapter_params(net, r, "all-linear")
+    base = info.n_params - info.n_trainable
+    full = training_state(base, weight_bytes=2, master_copy=True)
+    lora = training_state(info.n_params, info.n_trainable, weight_bytes=2, master_copy=True)
+    assert full.optimizer_state == 12 * base  # the seed's 12 B per trainable parameter
+    assert lora.optimizer_state == 12 * info.n_trainable  # about 2.4 GB
+    assert 2.35e9 < lora.optimizer_state < 2.45e9
+
+
+@pytest.mark.parametrize(
+    "model, precision", [("llama-tiny", "fp32"), ("bert-tiny", "fp32"), ("llama-tiny", "bf16")]
+)
+def test_measured_state_follows_the_adapters_and_the_estimate_bounds_it(model, precision):
+    cfg = RunConfig(model=model, precision=precision, lora_r=4, repeats=1, flops=False)
+    rec = measure(cfg)
+    assert rec.ok, rec.error
+    trainee = Trainee(cfg)
+    trainable, total, tensors = trainable_counts(trainee.model)
+    mem = rec.memory
+    assert rec.n_params == total
+    assert mem["params"] == 4 * total  # frozen fp32 weights and adapters
+    assert mem["gradients"] == 4 * trainable  # only adapters get gradients
+    assert mem["optimizer_state"] == 8 * trainable + 4 * tensors  # AdamW: 2 moments + step
+    est = estimate_run(cfg)
+    for key in ("params", "gradients", "optimizer_state"):
+        assert getattr(est, key) == mem[key], key
+    # Frozen Linear layers keep less than full fine-tuning's account: an upper bound.
+    assert est.activations >= mem["activations"]
+    assert est.peak >= mem["peak"]
+
+
+def test_lora_with_checkpointing_trains():
+    trainee = Trainee(RunConfig(model="llama-tiny", lora_r=2, gradient_checkpointing=True))
+    weights = {n: p.detach().clone() for n, p in trainee.model.named_parameters()}
+    trainee.step()
+    trainee.step()  # B moves away from zero on the first step, A on the second
+    changed = {n for n, p in trainee.model.named_parameters() if not torch.equal(p, weights[n])}
+    assert changed and all(".lora_" in n for n in changed)
+    assert len(changed) == sum(p.requires_grad for p in trainee.model.parameters())
+
+
+def test_tracker_counts_frozen_weights_without_hooking_them():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    tracker = CategoryTracker()
+    with tracker:
+        model(torch.randn(4, 8)).sum().backward()
+    peaks = tracker.peaks()
+    assert peaks.params == 4 * (72 + 18)
+    assert peaks.gradients == 4 * 18
+
+
+def test_cli_estimate_takes_lora_arguments(capsys):
+    import json
+
+    from helpers import cli
+
+    args = ["estimate", "--model", "llama-tiny", "--batch-size", "1", "--seq-len", "16", "--json"]
+    assert cli.main(args) == 0
+    full = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert cli.main([*args, "--lora-r", "4", "--lora-targets", "q_proj,v_proj"]) == 0
+    lora = json.loads(capsys.readouterr().out.splitlines()[-1])
+    adapters = lora["n_params"] - full["n_params"]
+    assert adapters > 0
+    assert lora["gradients"] == 4 * adapters  # only the adapters are trained
+    assert cli.main([*args, "--lora-r", "-1"]) == 2
