@@ -672,16 +672,7 @@ def _decoder_stages(m: ModelInfo, z: _Shape, attn: str, gc: bool) -> list[Stage]
 
     for i in range(layers):
         name = f"L{i}.attn"
-        at = Stage(
-            name,
-            grads=FP32 * m.stage_numel(name),
-            copies=2 * m.stage_numel(name, cast_only=True) if z.amp else 0,
-        )
-        rmsnorm(at, "input RMSNorm")
-        if z.amp:
-            at.saved["q/k/v input casts (3 x 16-bit)"] = 3 * 2 * th
-        else:
-            at.saved["input RMSNorm output (q/k/v input)"] = FP32 * th
+        at = _normed_stage(m, z, name, rmsnorm, "input", "q/k/v", 3)
         cache_saved = False
         if fused:
             if z.amp:
@@ -831,6 +822,22 @@ def _decoder_stages(m: ModelInfo, z: _Shape, attn: str, gc: bool) -> list[Stage]
     return stages + [head, loss]
 
 
+def _normed_stage(m: ModelInfo, z: _Shape, name: str, rmsnorm, norm: str, to: str, n: int):
+    """A decoder sub-block's stage up to its RMSNorm output, read by ``n`` projections ``to``."""
+    th = z.t * m.config["hidden_size"]
+    st = Stage(
+        name,
+        grads=FP32 * m.stage_numel(name),
+        copies=2 * m.stage_numel(name, cast_only=True) if z.amp else 0,
+    )
+    rmsnorm(st, f"{norm} RMSNorm")
+    if z.amp:  # each projection casts the normalised input to 16 bits itself
+        st.saved[f"{to} input casts ({n} x 16-bit)"] = n * 2 * th
+    else:
+        st.saved[f"{norm} RMSNorm output ({to} input)"] = FP32 * th
+    return st
+
+
 def _mlp_stage(m: ModelInfo, z: _Shape, i: int, rmsnorm) -> Stage:
     """Post-attention RMSNorm + SwiGLU MLP (gate, up, down) + residual sum."""
     h, inter = m.config["hidden_size"], m.config["intermediate_size"]
@@ -838,16 +845,7 @@ def _mlp_stage(m: ModelInfo, z: _Shape, i: int, rmsnorm) -> Stage:
     th, ti = t * h, t * inter
     g = FP32 * th
     name = f"L{i}.mlp"
-    st = Stage(
-        name,
-        grads=FP32 * m.stage_numel(name),
-        copies=2 * m.stage_numel(name, cast_only=True) if z.amp else 0,
-    )
-    rmsnorm(st, "post-attention RMSNorm")
-    if z.amp:
-        st.saved["gate/up input casts (2 x 16-bit)"] = 2 * 2 * th
-    else:
-        st.saved["post-attention RMSNorm output (gate/up input)"] = FP32 * th
+    st = _normed_stage(m, z, name, rmsnorm, "post-attention", "gate/up", 2)
     st.saved["gate, SiLU(gate), up, product"] = 4 * ea * ti
     st.transient = {"down_proj output": ea * th, "residual sum (layer output)": FP32 * th}
     w = _weight_grad(h * inter, z)
@@ -884,16 +882,7 @@ def _moe_stage(m: ModelInfo, z: _Shape, i: int, rmsnorm) -> Stage:
     th, routed = t * h, t * k  # every token goes to k experts
     g = FP32 * th
     name = f"L{i}.mlp"
-    st = Stage(
-        name,
-        grads=FP32 * m.stage_numel(name),
-        copies=2 * m.stage_numel(name, cast_only=True) if z.amp else 0,
-    )
-    rmsnorm(st, "post-attention RMSNorm")
-    if z.amp:
-        st.saved["router input cast"] = 2 * th
-    else:
-        st.saved["post-attention RMSNorm output (router input)"] = FP32 * th
+    st = _normed_stage(m, z, name, rmsnorm, "post-attention", "router", 1)
     st.saved["router probabilities (fp32 softmax)"] = FP32 * t * experts
     st.saved["top-k indices, weights, weight sums"] = t * k * (INT64 + FP32) + FP32 * t
     st.saved["sort order, token index, inverse order"] = 3 * INT64 * routed
