@@ -1,0 +1,737 @@
+"""A CPU-heavy input pipeline, and what lesson 11 measures about feeding a training step.
+
+Text is generated, never downloaded: made-up words built from syllables, and documents that
+are walks of a random Markov chain over those words. A WordPiece vocabulary of the syllables
+lets a real BERT tokenizer split every word into pieces. The collate function tokenises each
+whole document and cuts a random window of ``seq_len`` tokens from it, as language-model
+pre-training pipelines do; with transformers' pure-Python tokenizer that is slow enough to
+keep a training step waiting. The measuring functions take sizes, not objects, so they can
+run in a fresh process (``helpers.isolate.call_isolated``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import os
+import random
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+CONSONANTS = "bdfgklmnprstvz"
+VOWELS = "aeiou"
+CODAS = ("", "n", "r", "s")  # a syllable may end in one of these
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+TOKENIZERS = ("slow", "fast")
+
+
+def syllables(seed: int = 0) -> list[str]:
+    """Consonant-vowel syllables, some closed by a consonant: the pieces every word is made of."""
+    rng = random.Random(seed)
+    return sorted({c + v + rng.choice(CODAS) for c in CONSONANTS for v in VOWELS})
+
+
+def wordpiece_vocab(seed: int = 0) -> list[str]:
+    """WordPiece vocabulary: special tokens, letters, syllables and their ``##`` continuations."""
+    pieces = list(CONSONANTS + VOWELS) + syllables(seed)
+    return SPECIALS + pieces + ["##" + p for p in pieces]
+
+
+def make_words(n_words: int, seed: int = 0) -> list[str]:
+    """``n_words`` distinct made-up words of one to three syllables each."""
+    rng, parts, words = random.Random(seed), syllables(seed), {}
+    while len(words) < n_words:
+        word = "".join(rng.choice(parts) for _ in range(rng.randint(1, 3)))
+        words.setdefault(word, None)
+    return list(words)
+
+
+def make_tokenizer(kind: str = "slow", seed: int = 0):
+    """BERT WordPiece tokenizer over ``wordpiece_vocab``: pure Python (slow) or Rust (fast)."""
+    from transformers import BertTokenizer, BertTokenizerLegacy
+
+    classes = {"slow": BertTokenizerLegacy, "fast": BertTokenizer}
+    if kind not in classes:
+        raise ValueError(f"unknown tokenizer {kind!r}: use one of {', '.join(TOKENIZERS)}")
+    with tempfile.TemporaryDirectory() as folder:  # both read the file once, when built
+        path = Path(folder) / "vocab.txt"
+        path.write_text("\n".join(wordpiece_vocab(seed)) + "\n")
+        return classes[kind](str(path))
+
+
+def markov_walks(n_walks: int, length: int, n_states: int, seed: int = 0) -> torch.Tensor:
+    """(n_walks, length) state ids: walks of ``MarkovTask(n_states)`` from its stationary law."""
+    from helpers.data import MarkovTask
+
+    task = MarkovTask(n_states=n_states, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    cum = task.transition.cumsum(1)  # (n, n): inverse-CDF sampling, one uniform per step
+    cum[:, -1] = 1.0  # exact top, so rounding can never step past the last state
+    walks = torch.empty(n_walks, length, dtype=torch.long)
+    walks[:, 0] = torch.multinomial(task.stationary, n_walks, True, generator=g)
+    u = torch.rand(length, n_walks, 1, generator=g, dtype=torch.float64)
+    for t in range(1, length):
+        walks[:, t] = torch.searchsorted(cum[walks[:, t - 1]], u[t])[:, 0]
+    return walks
+
+
+class Documents(Dataset):
+    """Generated documents (walks over made-up words); label 1 when the walk runs backwards."""
+
+    def __init__(self, n_docs: int, words_per_doc: int, n_words: int = 256, seed: int = 0):
+        words = make_words(n_words, seed)
+        walks = markov_walks(n_docs, words_per_doc, n_words, seed)  # (N, W)
+        g = torch.Generator().manual_seed(seed + 1)
+        flip = torch.randint(0, 2, (n_docs,), generator=g)  # (N,)
+        walks = torch.where(flip[:, None].bool(), walks.flip(1), walks)
+        self.texts = [" ".join(words[i] for i in row) for row in walks.tolist()]
+        self.labels = flip.tolist()
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"text": self.texts[i], "label": self.labels[i]}
+
+
+class WindowCollator:
+    """Tokenise each whole document, keep a random window of ``seq_len`` tokens, make a batch."""
+
+    def __init__(self, tokenizer, seq_len: int, timed: bool = False):
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        # timed: the batch also carries "collate_s" and "collate_cpu_s", the wall-clock and
+        # CPU seconds the call took where it ran (a worker or the training process).
+        self.timed = timed
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        wall_start, cpu_start = time.perf_counter(), time.thread_time()
+        tok, body = self.tokenizer, self.seq_len - 2  # room for [CLS] and [SEP]
+        ids = torch.full((len(features), self.seq_len), tok.pad_token_id)  # (B, S)
+        mask = torch.zeros(len(features), self.seq_len, dtype=torch.long)  # (B, S)
+        for row, feature in enumerate(features):
+            pieces = tok(feature["text"], add_special_tokens=False)["input_ids"]  # whole text
+            # torch's generator: DataLoader seeds it differently in every worker.
+            start = int(torch.randint(max(1, len(pieces) - body + 1), ()))
+            window = [tok.cls_token_id, *pieces[start : start + body], tok.sep_token_id]
+            ids[row, : len(window)] = torch.tensor(window)
+            mask[row, : len(window)] = 1
+        labels = torch.tensor([f["label"] for f in features])  # (B,)
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        if self.timed:
+            cpu = time.thread_time() - cpu_start
+            batch["collate_s"] = torch.tensor(time.perf_counter() - wall_start, dtype=torch.float64)
+            batch["collate_cpu_s"] = torch.tensor(cpu, dtype=torch.float64)
+        return batch
+
+
+def start_method() -> str | None:
+    """``fork`` on Linux, where it starts a worker in milliseconds; else the platform default."""
+    import sys
+
+    return "fork" if sys.platform.startswith("linux") else None
+
+
+def make_loader(
+    docs: Dataset,
+    batch_size: int,
+    seq_len: int,
+    tokenizer: str = "slow",
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    method: str | None = "auto",
+    timed: bool = False,
+    **kwargs,
+) -> DataLoader:
+    """A DataLoader that tokenises in its collate function; workers start with ``method``."""
+    # "auto" is start_method(); None keeps multiprocessing's default, which is forkserver
+    # inside a helpers.isolate process (seconds per worker). kwargs go to the DataLoader.
+    method = start_method() if method == "auto" else method
+    context = mp.get_context(method) if num_workers > 0 and method else None
+    collate = WindowCollator(make_tokenizer(tokenizer), seq_len, timed)
+    return DataLoader(
+        docs,
+        batch_size=batch_size,
+        collate_fn=collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        multiprocessing_context=context,
+        **kwargs,
+    )
+
+
+def to_device(batch: dict, device: torch.device, non_blocking: bool = False) -> dict:
+    """Every tensor of ``batch`` on ``device``."""
+    return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+
+
+def train_step(model, optimizer, batch: dict) -> torch.Tensor:
+    """Forward, backward and optimizer step on one batch; the loss, detached."""
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _model_and_optimizer(name: str, device: torch.device, seed: int):
+    """The lesson's model (random init, fp32) and AdamW, on ``device``."""
+    from helpers.models import build_model, load_config
+    from helpers.train import make_optimizer
+
+    model = build_model(load_config(name), device=device, seed=seed)
+    model.train()
+    return model, make_optimizer("adamw", model)
+
+
+def _device(device: str | None) -> torch.device:
+    from helpers.scale import default_device
+
+    return torch.device(device) if device else default_device()
+
+
+def batch_times(loader: DataLoader, n: int) -> list[float]:
+    """Seconds each of the first ``n`` ``next(loader)`` calls took (iterator creation excluded)."""
+    it, times = iter(loader), []
+    for _ in range(n):
+        start = time.perf_counter()
+        next(it)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity), which its workers share."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def predicted_step(
+    t_data: float,
+    t_model: float,
+    workers: int,
+    cores: int,
+    model_cpu: float | None = None,
+    data_cpu: float | None = None,
+) -> float:
+    """Seconds per step: serial without workers, else the slowest of three limits."""
+    # The device needs t_model per step; the workers deliver a batch every t_data / workers;
+    # all the CPU work of a step, the batch's CPU seconds data_cpu plus the training
+    # process's own model_cpu (all of t_model on a CPU, kernel launches on a GPU), must fit
+    # on the cores. Without CPU seconds given, the wall-clock times stand in for them.
+    if workers == 0:
+        return t_data + t_model
+    model_cpu = t_model if model_cpu is None else model_cpu
+    data_cpu = t_data if data_cpu is None else data_cpu
+    return max(t_model, t_data / workers, (data_cpu + model_cpu) / cores)
+
+
+@dataclass
+class Calibration:
+    """The step and tokenizer costs the lesson sizes its documents from (seconds)."""
+
+    t_model: float  # one training step, batch already on the device
+    model_cpu: float  # CPU seconds the training process spends on that step
+    words_per_doc: int  # document length that makes t_data about ratio x t_model (slow)
+    t_data: dict[str, float]  # one batch from the loader alone (no model), per tokenizer
+    ratio: float
+    batch_size: int
+
+    def per_word(self, kind: str) -> float:
+        """Seconds to tokenise one word (collating included) with tokenizer ``kind``."""
+        return self.t_data[kind] / self.batch_size / self.words_per_doc
+
+
+def calibrate(
+    model: str,
+    batch_size: int,
+    seq_len: int,
+    ratio: float = 1.5,
+    device: str | None = None,
+    threads: int = 1,
+    repeats: int = 5,
+    probe_words: int = 400,
+    seed: int = 0,
+) -> Calibration:
+    """Measure t_model, size documents so the slow pipeline takes ``ratio`` x t_model per batch."""
+    from helpers.timing import synchronize
+
+    torch.set_num_threads(threads)
+    dev = _device(device)
+    net, optimizer = _model_and_optimizer(model, dev, seed)
+
+    def t_batch(words: int, kind: str) -> float:  # median next(loader), the first left out
+        docs = Documents(batch_size * (repeats + 1), words, seed=seed)
+        return statistics.median(
+            batch_times(make_loader(docs, batch_size, seq_len, kind), repeats + 1)[1:]
+        )
+
+    probe = Documents(batch_size, seq_len, seed=seed)
+    batch = to_device(next(iter(make_loader(probe, batch_size, seq_len))), dev)
+    walls, cpus = [], []
+    for i in range(2 + repeats):  # two warm-up steps (the first creates AdamW's state)
+        synchronize(dev)
+        wall, cpu = time.perf_counter(), time.thread_time()
+        train_step(net, optimizer, batch)
+        cpu = time.thread_time() - cpu  # before synchronising: work, not waiting
+        synchronize(dev)
+        if i >= 2:
+            walls.append(time.perf_counter() - wall)
+            cpus.append(cpu)
+    t_model, model_cpu = statistics.median(walls), statistics.median(cpus)
+    per_word = t_batch(probe_words, "slow") / (batch_size * probe_words)
+    words = max(seq_len, math.ceil(ratio * t_model / (batch_size * per_word)))
+    t_data = {kind: t_batch(words, kind) for kind in TOKENIZERS}
+    return Calibration(t_model, model_cpu, words, t_data, ratio, batch_size)
+
+
+@dataclass
+class LoopSpec:
+    """One measured training loop fed by the tokenising DataLoader."""
+
+    model: str = "bert-tiny"
+    batch_size: int = 4
+    seq_len: int = 64
+    words_per_doc: int = 200
+    tokenizer: str = "slow"
+    num_workers: int = 0
+    pin_memory: bool = False
+    steps: int = 30  # measured steps
+    warmup: int = 3  # steps before measuring: worker start-up, optimizer state, queue filling
+    threads: int = 1  # torch intra-op threads of the training process
+    device: str | None = None
+    seed: int = 0
+
+
+@dataclass
+class LoopResult:
+    """Per-step seconds spent waiting in ``next(loader)`` and computing, after the warm-up."""
+
+    spec: LoopSpec
+    waits: list[float] = field(default_factory=list)
+    computes: list[float] = field(default_factory=list)
+    collates: list[float] = field(default_factory=list)  # seconds each batch's collate took
+    collate_cpus: list[float] = field(default_factory=list)  # CPU seconds of those
+    model_cpus: list[float] = field(default_factory=list)  # CPU seconds of each step
+    first_batch_s: float = 0.0  # iter() to the first batch: includes starting the workers
+    cores: int = 0  # CPU cores of the machine (``cpu_cores``)
+    gpu_util: float | None = None  # mean NVML utilisation (%) over the measured steps
+
+    @property
+    def t_data(self) -> float:
+        """Mean seconds to collate a batch, wherever it ran, during the measured steps."""
+        return statistics.fmean(self.collates)
+
+    @property
+    def t_model(self) -> float:
+        """Mean seconds of the training step itself during the measured steps."""
+        return statistics.fmean(self.computes)
+
+    @property
+    def predicted(self) -> float:
+        """``predicted_step`` from this run's own t_data and t_model."""
+        model_cpu, data_cpu = statistics.fmean(self.model_cpus), statistics.fmean(self.collate_cpus)
+        w = self.spec.num_workers
+        return predicted_step(self.t_data, self.t_model, w, self.cores, model_cpu, data_cpu)
+
+    @property
+    def step_time(self) -> float:
+        """Mean seconds per step, waiting included."""
+        return (sum(self.waits) + sum(self.computes)) / len(self.waits)
+
+    @property
+    def wait_fraction(self) -> float:
+        """Share of the loop's time spent waiting for data."""
+        return sum(self.waits) / (sum(self.waits) + sum(self.computes))
+
+    @property
+    def samples_per_s(self) -> float:
+        """Training throughput."""
+        return self.spec.batch_size / self.step_time
+
+
+def nvml_handle(device: torch.device):
+    """NVML handle of a CUDA device (honouring CUDA_VISIBLE_DEVICES), or None without NVML."""
+    if device.type != "cuda":
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no package or no driver
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ids = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip().isdigit()]
+    if ids and index < len(ids):
+        index = int(ids[index])
+    try:
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    except pynvml.NVMLError:  # e.g. devices named by UUID, or a MIG slice
+        pynvml.nvmlShutdown()
+        return None
+
+
+class UtilSampler:
+    """Samples NVML's GPU utilisation (% of time a kernel ran) in a thread while active."""
+
+    def __init__(self, device: torch.device, every: float = 0.05):
+        self.handle, self.every, self.samples = nvml_handle(device), every, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import pynvml
+
+        while not self._stop.wait(self.every):
+            self.samples.append(pynvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+
+    def __enter__(self):
+        if self.handle is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.handle is not None:
+            import pynvml
+
+            self._stop.set()
+            self._thread.join()
+            pynvml.nvmlShutdown()
+
+    @property
+    def mean(self) -> float | None:
+        """Mean utilisation in %, None when nothing was sampled."""
+        return statistics.fmean(self.samples) if self.samples else None
+
+
+@contextlib.contextmanager
+def workers_allowed():
+    """Let this process start DataLoader workers even if it runs as a daemon process."""
+    # helpers.isolate starts its fresh processes as daemons, and multiprocessing forbids a
+    # daemon to have children; the flag only matters to this process, so lift it meanwhile.
+    proc = mp.current_process()
+    was = proc._config.get("daemon", False)
+    proc._config["daemon"] = False
+    try:
+        yield
+    finally:
+        proc._config["daemon"] = was
+
+
+def loader_loop(spec: LoopSpec) -> LoopResult:
+    """Train ``spec.steps`` steps from the DataLoader; time the wait for data and the compute."""
+    # The collate function times itself (WindowCollator(timed=True)), so each run also yields
+    # its own t_data and t_model, measured while it ran: the prediction and the measurement
+    # share the machine's state of that moment.
+    from helpers.timing import synchronize
+
+    torch.set_num_threads(spec.threads)
+    dev = _device(spec.device)
+    net, optimizer = _model_and_optimizer(spec.model, dev, spec.seed)
+    total = spec.warmup + spec.steps
+    docs = Documents(spec.batch_size * total, spec.words_per_doc, seed=spec.seed)
+    loader = make_loader(
+        docs, spec.batch_size, spec.seq_len, spec.tokenizer, spec.num_workers, spec.pin_memory,
+        timed=True,
+    )  # fmt: skip
+    result = LoopResult(spec, cores=cpu_cores())
+
+    def step(it) -> tuple[float, float, float, float, float]:
+        t0 = time.perf_counter()
+        batch = next(it)
+        t1 = time.perf_counter()
+        collate, collate_cpu = float(batch.pop("collate_s")), float(batch.pop("collate_cpu_s"))
+        cpu = time.thread_time()
+        train_step(net, optimizer, to_device(batch, dev, non_blocking=spec.pin_memory))
+        cpu = time.thread_time() - cpu  # before the synchronisation: work, not waiting
+        synchronize(dev)
+        return t1 - t0, time.perf_counter() - t1, collate, collate_cpu, cpu
+
+    with workers_allowed():
+        start = time.perf_counter()
+        it = iter(loader)
+        compute = step(it)[1]
+        result.first_batch_s = time.perf_counter() - start - compute  # iter() + first batch
+        for _ in range(spec.warmup - 1):
+            step(it)
+        with UtilSampler(dev) as sampler:
+            for _ in range(spec.steps):
+                wait, compute, collate, collate_cpu, cpu = step(it)
+                result.waits.append(wait)
+                result.computes.append(compute)
+                result.collates.append(collate)
+                result.collate_cpus.append(collate_cpu)
+                result.model_cpus.append(cpu)
+        del it  # shuts the workers down
+    result.gpu_util = sampler.mean
+    return result
+
+
+def startup_times(
+    num_workers: int,
+    persistent: bool,
+    epochs: int = 2,
+    batches: int = 2,
+    batch_size: int = 4,
+    seq_len: int = 64,
+    method: str | None = "auto",
+) -> list[float]:
+    """Seconds from ``iter(loader)`` to the first batch, per epoch (short documents)."""
+    docs = Documents(batch_size * batches, seq_len, seed=0)
+    loader = make_loader(
+        docs, batch_size, seq_len, "slow", num_workers, method=method,
+        persistent_workers=persistent and num_workers > 0,
+    )  # fmt: skip
+    times = []
+    with workers_allowed():
+        for _ in range(epochs):
+            start = time.perf_counter()
+            it = iter(loader)
+            next(it)
+            times.append(time.perf_counter() - start)
+            for _ in it:  # finish the epoch
+                pass
+    return times
+
+
+def trainer_runs(
+    model: str,
+    batch_size: int,
+    seq_len: int,
+    words_per_doc: int,
+    workers: tuple[int, ...] = (0, 1),
+    steps: int = 8,
+    warmup: int = 2,
+    threads: int = 1,
+    device: str | None = None,
+) -> list[dict]:
+    """Train with ``Trainer`` on the same documents and collator, once per worker count."""
+    # One process for all: importing the Trainer costs seconds, once. Per run: seconds per
+    # step, the share spent before the step began (fetching the batch), the collate's own CPU
+    # seconds (a Trainer subclass takes them out of the batch before the model sees it), the
+    # Trainer's own throughput (start-up included) and the DataLoader settings it used.
+    dev = _device(device)
+    if dev.type in ("cpu", "cuda"):  # DeepSpeed, imported with the Trainer, would guess and say so
+        os.environ.setdefault("DS_ACCELERATOR", dev.type)
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    from helpers.models import build_model, load_config
+
+    torch.set_num_threads(threads)
+    docs = Documents(batch_size * (steps + warmup), words_per_doc, seed=0)
+    collate = WindowCollator(make_tokenizer("slow"), seq_len, timed=True)
+
+    class StepClock(TrainerCallback):
+        """Time stamps of each optimizer step's start and end; the batch is fetched before."""
+
+        def __init__(self):
+            self.begins: list[float] = []
+            self.ends: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begins.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+
+    class CollateTimedTrainer(Trainer):
+        """A Trainer that keeps each batch's ``collate_s`` instead of passing it to the model."""
+
+        collates: list[float]
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.collates.append(float(inputs.pop("collate_s")))
+            inputs.pop("collate_cpu_s")
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    out = []
+    for num_workers in workers:
+        clock = StepClock()
+        with tempfile.TemporaryDirectory() as folder, workers_allowed():
+            args = TrainingArguments(
+                output_dir=folder,
+                per_device_train_batch_size=batch_size,
+                max_steps=steps + warmup,
+                dataloader_num_workers=num_workers,
+                dataloader_pin_memory=True,  # the default, spelled out
+                dataloader_multiprocessing_context=start_method() if num_workers else None,
+                remove_unused_columns=False,  # the collator needs the "text" column
+                use_cpu=dev.type == "cpu",
+                report_to="none",
+                save_strategy="no",
+                logging_strategy="no",
+                disable_tqdm=True,
+            )
+            net = build_model(load_config(model), seed=0)
+            trainer = CollateTimedTrainer(
+                model=net, args=args, train_dataset=docs, data_collator=collate,
+                callbacks=[clock],
+            )  # fmt: skip
+            trainer.collates = []
+            trainer.remove_callback(PrinterCallback)  # it would print the final metrics
+            loader = trainer.get_train_dataloader()
+            metrics = trainer.train().metrics
+        begins, ends = np.array(clock.begins[warmup:]), np.array(clock.ends[warmup:])
+        waits = begins - np.array(clock.ends[warmup - 1 : -1])  # fetching the batch, mostly
+        computes = ends - begins
+        step = float(np.mean(waits + computes))
+        out.append(
+            {
+                "num_workers": num_workers,
+                "loader_workers": getattr(loader, "num_workers", None),
+                "pin_memory_arg": args.dataloader_pin_memory,
+                "loader_pin_memory": getattr(loader, "pin_memory", None),
+                "step_time": step,
+                "t_data": statistics.fmean(trainer.collates[warmup:]),
+                "t_model": float(np.mean(computes)),
+                "wait_fraction": float(waits.sum() / (waits.sum() + computes.sum())),
+                "samples_per_s": batch_size / step,
+                "train_samples_per_second": metrics["train_samples_per_second"],
+            }
+        )
+    return out
+
+
+def copy_seconds(nbytes: int, pinned: bool, device: str, repeats: int = 5) -> float:
+    """Median seconds to copy ``nbytes`` from pinned or pageable host memory to ``device``."""
+    from helpers.timing import time_fn
+
+    dev = torch.device(device)
+    host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    dest = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    return time_fn(lambda: dest.copy_(host, non_blocking=pinned), dev, 1, repeats).median
+
+
+def host_held(device: str, pinned: bool, non_blocking: bool, nbytes: int, busy_s: float = 0.05):
+    """(GPU busy, Python held, total) seconds of a host-to-device copy behind queued work."""
+    from helpers.timing import synchronize
+
+    dev = torch.device(device)
+    a = torch.randn(2048, 2048, device=dev)
+    a @ a  # the first matmul initialises the BLAS library
+    synchronize(dev)
+    start = time.perf_counter()
+    for _ in range(3):
+        a @ a
+    synchronize(dev)
+    n_mm = max(1, math.ceil(3 * busy_s / (time.perf_counter() - start)))
+    host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+    def queue_work():
+        for _ in range(n_mm):
+            a @ a
+
+    queue_work()  # warm-up
+    synchronize(dev)
+    start = time.perf_counter()
+    queue_work()
+    synchronize(dev)
+    busy = time.perf_counter() - start
+    queue_work()
+    start = time.perf_counter()
+    host.to(dev, non_blocking=non_blocking)
+    held = time.perf_counter() - start
+    synchronize(dev)
+    return busy, held, time.perf_counter() - start
+
+
+def pin_report(device: str | None = None, nbytes: int = 64 * 2**20) -> dict:
+    """What pin_memory=True does here: DataLoader's warning, pinned batches, copy speeds."""
+    import warnings
+
+    dev = _device(device)
+    docs = Documents(4, 64, seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batch = next(iter(make_loader(docs, 4, 64, pin_memory=True)))
+    report = {
+        "warnings": [str(w.message) for w in caught],
+        "batch_pinned": batch["input_ids"].is_pinned(),
+        "batch_bytes": sum(t.numel() * t.element_size() for t in batch.values()),
+    }
+    if dev.type == "cuda":
+        report["pageable_s"] = copy_seconds(nbytes, False, str(dev))
+        report["pinned_s"] = copy_seconds(nbytes, True, str(dev))
+        report["nbytes"] = nbytes
+        report["held"] = {
+            (pinned, nb): host_held(str(dev), pinned, nb, nbytes)
+            for pinned, nb in ((False, False), (True, False), (True, True))
+        }
+    return report
+
+
+def starvation_figure(runs: dict[str, LoopResult], prior: dict | None = None, title: str = ""):
+    """Wait and compute per step with each run's prediction; samples/s against num_workers."""
+    # prior: {num_workers: step seconds} predicted before the runs, drawn as a grey line.
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    labels = list(runs)
+    compute = [1e3 * r.t_model for r in runs.values()]
+    wait = [1e3 * statistics.fmean(r.waits) for r in runs.values()]
+    left.bar(labels, compute, color="#4C72B0", label="compute (training step)")
+    left.bar(labels, wait, bottom=compute, color="#C44E52", label="waiting for data")
+    left.plot(labels, [1e3 * r.predicted for r in runs.values()], "ko", label="predicted step")
+    left.set_ylabel("ms per training step")
+    left.tick_params(axis="x", labelrotation=20)
+    left.legend(fontsize="small")
+    rs = sorted(runs.values(), key=lambda r: r.spec.num_workers)
+    xs = [r.spec.num_workers for r in rs]
+    batch = rs[0].spec.batch_size
+    right.plot(xs, [r.samples_per_s for r in rs], marker="o", label="measured")
+    right.plot(xs, [batch / r.predicted for r in rs], linestyle="--", marker="x",
+               label="predicted from the run's own t_data, t_model")  # fmt: skip
+    if prior:
+        ws = sorted(prior)
+        right.plot(ws, [batch / prior[w] for w in ws], linestyle=":", color="grey", marker=".",
+                   label="predicted before the runs")  # fmt: skip
+    right.set_xlabel("num_workers")
+    right.set_ylabel("samples/s")
+    right.set_xticks(sorted(set(xs) | set(prior or ())))
+    right.set_ylim(bottom=0)
+    right.grid(alpha=0.3)
+    right.legend(fontsize="small", loc="lower right")
+    fig.suptitle(title)
+    return fig
+
+
+def loop_record(result: LoopResult, device: dict, label: str):
+    """A loop's measurement as a course ``Record`` (for ``helpers.results.save``)."""
+    from helpers.results import Record
+
+    s = result.spec
+    config = {
+        "label": label,
+        "model": s.model,
+        "batch_size": s.batch_size,
+        "seq_len": s.seq_len,
+        "num_workers": s.num_workers,
+        "tokenizer": s.tokenizer,
+        "pin_memory": s.pin_memory,
+        "words_per_doc": s.words_per_doc,
+        "threads": s.threads,
+        "t_data": result.t_data,
+        "t_model": result.t_model,
+        "predicted_step": result.predicted,
+        "wait_fraction": result.wait_fraction,
+        "gpu_util": result.gpu_util,
+    }
+    return Record(
+        config=config,
+        device=device,
+        step_time=result.step_time,
+        step_times=[w + c for w, c in zip(result.waits, result.computes, strict=True)],
+        samples_per_s=result.samples_per_s,
+        tokens_per_s=result.samples_per_s * s.seq_len,
+    )

@@ -1,0 +1,140 @@
+"""The slow input pipeline is real and correct; the step-time model and the loop's accounting."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import warnings
+
+import pytest
+import torch
+
+from helpers.data import MarkovTask
+from helpers.loading import (
+    SPECIALS,
+    Documents,
+    LoopResult,
+    LoopSpec,
+    WindowCollator,
+    loader_loop,
+    make_loader,
+    make_tokenizer,
+    make_words,
+    markov_walks,
+    predicted_step,
+    starvation_figure,
+    wordpiece_vocab,
+    workers_allowed,
+)
+
+
+def test_words_and_vocabulary():
+    words = make_words(50)
+    assert len(set(words)) == 50
+    vocab = wordpiece_vocab()
+    assert vocab[: len(SPECIALS)] == SPECIALS and len(set(vocab)) == len(vocab)
+    assert len(vocab) < 1024  # fits bert-tiny's embedding table
+
+
+def test_walks_follow_the_chain():
+    walks = markov_walks(6, 30, n_states=32, seed=3)
+    task = MarkovTask(n_states=32, seed=3)
+    assert walks.shape == (6, 30)
+    assert (task.transition[walks[:, :-1], walks[:, 1:]] > 0).all()  # only allowed steps
+
+
+def test_slow_and_fast_tokenizers_agree_and_know_every_piece():
+    docs = Documents(3, 60)
+    slow, fast = make_tokenizer("slow"), make_tokenizer("fast")
+    assert type(slow).__name__ == "BertTokenizerLegacy"
+    for doc in docs:
+        ids = slow(doc["text"], add_special_tokens=False)["input_ids"]
+        assert ids == fast(doc["text"], add_special_tokens=False)["input_ids"]
+        assert slow.unk_token_id not in ids and len(ids) >= 60  # one piece or more per word
+    with pytest.raises(ValueError, match="unknown tokenizer"):
+        make_tokenizer("medium")
+
+
+def test_collator_cuts_a_window_of_the_whole_document():
+    docs = Documents(4, 80)
+    tok = make_tokenizer("slow")
+    batch = WindowCollator(tok, 16, timed=True)([docs[i] for i in range(4)])
+    assert batch["input_ids"].shape == (4, 16) and batch["attention_mask"].all()
+    assert float(batch["collate_s"]) > 0 and float(batch["collate_cpu_s"]) > 0
+    assert (batch["input_ids"][:, 0] == tok.cls_token_id).all()
+    assert (batch["input_ids"][:, -1] == tok.sep_token_id).all()
+    for row in range(4):
+        whole = tok(docs[row]["text"], add_special_tokens=False)["input_ids"]
+        window = batch["input_ids"][row, 1:-1].tolist()
+        starts = [i for i in range(len(whole) - 13) if whole[i : i + 14] == window]
+        assert starts, row  # a contiguous slice of the document's tokens
+    assert batch["labels"].tolist() == [docs[i]["label"] for i in range(4)]
+    assert "collate_s" not in WindowCollator(tok, 16)([docs[0]])
+
+
+def test_predicted_step_limits():
+    assert predicted_step(3.0, 2.0, 0, 8) == 5.0  # serial
+    assert predicted_step(3.0, 2.0, 1, 8) == 3.0  # one worker: a batch every t_data
+    assert predicted_step(3.0, 2.0, 2, 8) == 2.0  # two workers: the device is the limit
+    assert predicted_step(3.0, 2.0, 2, 2) == 2.5  # two cores share all the CPU work
+    assert predicted_step(3.0, 2.0, 2, 2, model_cpu=0.2) == 2.0  # a GPU step: launches only
+    assert predicted_step(4.0, 2.0, 2, 2, data_cpu=2.0) == 2.0  # workers slowed by sharing
+
+
+def test_loop_result_accounting():
+    r = LoopResult(LoopSpec(batch_size=4, num_workers=1), waits=[1.0, 1.0],
+                   computes=[1.0, 3.0], collates=[3.0, 3.0], collate_cpus=[2.0, 2.0],
+                   model_cpus=[2.0, 2.0], cores=2)  # fmt: skip
+    assert r.step_time == 3.0 and r.wait_fraction == 2 / 6 and r.samples_per_s == 4 / 3
+    assert r.predicted == 3.0
+    fig = starvation_figure({"a": r}, prior={0: 5.0, 1: 3.0})
+    assert len(fig.axes) == 2
+
+
+def _put(queue, value) -> None:
+    queue.put(value)
+
+
+def _child_from_daemon(queue) -> None:
+    try:
+        mp.get_context("fork").Process(target=_put, args=(queue, "allowed")).start()
+    except AssertionError:  # "daemonic processes are not allowed to have children"
+        queue.put("refused")
+    with workers_allowed():
+        child = mp.get_context("fork").Process(target=_put, args=(queue, "started"))
+        child.start()
+        child.join()
+    queue.put("flag back" if mp.current_process().daemon else "flag lost")
+
+
+def test_daemon_process_may_start_workers():
+    # helpers.isolate runs experiments as daemon processes; DataLoader workers are children.
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child_from_daemon, args=(queue,), daemon=True)
+    proc.start()
+    assert [queue.get(timeout=20) for _ in range(3)] == ["refused", "started", "flag back"]
+    proc.join(timeout=20)
+    assert proc.exitcode == 0
+
+
+def test_pin_memory_without_accelerator_warns():
+    if torch.accelerator.is_available():
+        pytest.skip("an accelerator is present: pinning works here")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batch = next(iter(make_loader(Documents(2, 20), 2, 16, pin_memory=True)))
+    assert not batch["input_ids"].is_pinned()
+    assert any("pin_memory" in str(w.message) for w in caught)
+
+
+def test_loader_loop_accounts_every_step():
+    spec = LoopSpec(words_per_doc=40, seq_len=16, steps=2, warmup=1, num_workers=1,
+                    device="cpu")  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        r = loader_loop(spec)  # made for a fresh process: it sets the thread count
+    finally:
+        torch.set_num_threads(threads)
+    assert len(r.waits) == len(r.computes) == len(r.collates) == len(r.collate_cpus) == 2
+    assert r.t_model > 0 and r.t_data > 0 and r.first_batch_s > 0 and r.gpu_util is None
+    assert 0 <= r.wait_fraction < 1
