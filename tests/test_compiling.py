@@ -1,0 +1,197 @@
+"""torch.compile helpers: capture, graph breaks, recompiles, traffic counts, the training case.
+
+Nothing here runs inductor (a C++ compile takes seconds per kernel on a small CPU): the
+tests use the recording backend and the debugging backends eager and aot_eager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import compiling
+from helpers.compiling import (
+    GraphRecorder,
+    break_even_steps,
+    count_compiles,
+    dynamo_summary,
+    eager_traffic,
+    explain,
+    gelu_new,
+    gelu_tanh_aten,
+    generated_kernels,
+    graph_ops,
+    input_shapes,
+    mlp_stack,
+    reset_dynamo,
+    short_reason,
+    step_profile,
+)
+
+
+def test_gelu_new_is_transformers_new_gelu_bit_for_bit():
+    from transformers.activations import NewGELUActivation
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 4
+    assert torch.equal(gelu_new(x), NewGELUActivation()(x))
+    # ATen's fused tanh GELU is the same function, rounded differently.
+    assert torch.allclose(gelu_tanh_aten(x), gelu_new(x), atol=1e-6, rtol=1e-6)
+
+
+def test_eager_traffic_counts_gelu_new_ops_and_bytes():
+    x = torch.randn(100)
+    ops, moved = eager_traffic(gelu_new, x)
+    # 8 ops; each writes one tensor and reads one (two for the two tensor-tensor ops).
+    assert (ops, moved) == (8, 18 * x.nbytes)
+
+
+def test_recorder_sees_one_graph_of_eight_ops():
+    recorder = GraphRecorder()
+    x = torch.randn(16)
+    out = torch.compile(gelu_new, backend=recorder)(x)
+    reset_dynamo()
+    assert torch.equal(out, gelu_new(x))
+    assert len(recorder.graphs) == 1
+    assert graph_ops(recorder.graphs[0]) == [
+        "mul",
+        "pow",
+        "mul",
+        "add",
+        "mul",
+        "tanh",
+        "add",
+        "mul",
+    ]
+
+
+def _breaks_once(x):
+    y = x * 2
+    n = y.sum().item()  # a graph break
+    return y + n
+
+
+def test_explain_reports_the_item_break():
+    ex = explain(_breaks_once, torch.ones(4))
+    assert (ex.graph_count, ex.graph_break_count) == (2, 1)
+    assert "item" in short_reason(ex.break_reasons[0].reason)
+
+
+def test_short_reason_drops_hints_and_source_comment():
+    reason = "0/0: self.flag is None        # if self.flag is None:  # model.py:3\nHint: ..."
+    assert short_reason(reason) == "0/0: self.flag is None"
+
+
+def test_count_compiles_default_fixed_and_marked_dynamic_shapes():
+    block = mlp_stack(8, 16, n_blocks=1)
+    calls = [(torch.randn(2, s, 8),) for s in (4, 6, 8)]
+    default = count_compiles(block, calls)
+    static = count_compiles(block, calls, dynamic=False)
+    marked_x = calls[0][0].clone()
+    torch._dynamo.mark_dynamic(marked_x, 1)
+    marked = count_compiles(block, [(marked_x,), *calls[1:]])
+    assert [len(c.graphs) for c in (default, static, marked)] == [2, 3, 1]
+    assert all("size mismatch" in r for r in default.recompile_reasons + static.recompile_reasons)
+    # Parameters are left out; the second default graph has a symbolic sequence length.
+    assert input_shapes(default.graphs[0]) == [(2, 4, 8)]
+    shape = input_shapes(default.graphs[1])[0]
+    assert shape[0] == 2 and shape[2] == 8 and str(shape[1]).startswith("s")
+    assert default.graph_breaks == 0
+
+
+def test_count_compiles_finds_a_guard_on_python_state():
+    class Flagged(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.kind = None
+
+        def forward(self, x):
+            if self.kind is None:
+                self.kind = "set"  # the first call changes what the guard checked
+            return x + 1
+
+    seen = count_compiles(Flagged(), [(torch.ones(2),), (torch.ones(2),), (torch.ones(2),)])
+    assert len(seen.graphs) == 2
+    assert any("kind" in r for r in seen.recompile_reasons)
+
+
+def test_dynamo_summary_counts_since_reset():
+    reset_dynamo()
+    f = torch.compile(_breaks_once, backend="eager")
+    with compiling.quiet_dynamo():
+        f(torch.ones(3))
+    summary = dynamo_summary()
+    reset_dynamo()
+    assert summary["graphs"] == 2 and summary["graph_breaks"] == 1
+    assert dynamo_summary()["graphs"] == 0
+
+
+def test_generated_kernels_parses_output_code():
+    code = (
+        "cpp_fused_add_mul_pow_tanh_0 = async_compile.cpp_pybinding(['const float*'], r'''\n"
+        "'''\n"
+        "triton_poi_fused_add_1 = async_compile.triton('triton_poi_fused_add_1', '''\n"
+        "'''\n"
+        "    def call(self, args):\n"
+        "        extern_kernels.addmm(a, b, c, out=buf0)\n"
+        "        cpp_fused_add_mul_pow_tanh_0(buf0, buf1)\n"
+        "        extern_kernels.mm(buf1, d, out=buf2)\n"
+        "        extern_kernels.addmm(a, buf2, c, out=buf3)\n"
+    )
+    found = generated_kernels(code)
+    assert found["kernels"] == ["cpp_fused_add_mul_pow_tanh_0", "triton_poi_fused_add_1"]
+    assert found["extern"] == {"addmm": 2, "mm": 1}
+
+
+def test_break_even_steps():
+    assert break_even_steps(10.0, 0.03, 0.02) == pytest.approx(1000)
+    assert break_even_steps(10.0, 0.02, 0.02) is None
+    assert break_even_steps(10.0, 0.02, 0.03) is None
+
+
+def test_mlp_stack_is_seeded_and_returns_a_scalar_loss():
+    a, b = mlp_stack(8, 32, 2, seed=3), mlp_stack(8, 32, 2, seed=3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert all(torch.count_nonzero(blk.fc1.bias) == 0 for blk in a.blocks)
+    loss = a(torch.randn(5, 8))
+    assert loss.dim() == 0 and loss.item() > 0
+
+
+def test_step_profile_with_aot_eager(monkeypatch):
+    # prepare_compiler runs inductor once per process; not needed for aot_eager.
+    monkeypatch.setattr(compiling, "prepare_compiler", lambda device="cpu": 0.0)
+    out = step_profile(
+        backends=("aot_eager",), hidden=8, intermediate=32, n_blocks=1, rows=16, warmup=1, repeats=3
+    )
+    assert set(out["first_s"]) == {"eager", "aot_eager"}
+    assert {k: len(v) for k, v in out["times"].items()} == {"eager": 3, "aot_eager": 3}
+    # aot_eager runs the same ATen operations as eager: the same loss and gradients.
+    assert out["loss"]["aot_eager"] == out["loss"]["eager"]
+    assert max(out["grad_error"]["aot_eager"]) == 0.0
+    assert (out["graphs"], out["graph_breaks"]) == (1, 0)
+    # Matmuls of 16x8x32 (2*16*8*32 FLOPs each): 2 forward; backward, both weight gradients
+    # and the input gradient of the second linear (the input x needs none).
+    assert out["flops"] == 5 * (2 * 16 * 8 * 32)
+    reset_dynamo()
+
+
+def test_start_fork_server_sets_isolates_preload_plus_inductor(monkeypatch):
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+
+    from helpers import isolate
+
+    if "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("no fork server on this platform")
+    started = []
+    monkeypatch.setattr(forkserver, "ensure_running", lambda: started.append(True))
+    saved = list(forkserver._forkserver._preload_modules)
+    try:
+        assert compiling.start_fork_server()
+        preload = forkserver._forkserver._preload_modules
+    finally:
+        forkserver._forkserver._preload_modules = saved
+    assert started == [True]
+    assert preload[: len(isolate._PRELOAD)] == list(isolate._PRELOAD)
+    assert preload[len(isolate._PRELOAD) :] == (
+        [] if torch.cuda.is_available() else ["torch._inductor.compile_fx"]
+    )
