@@ -154,28 +154,6 @@ def prepare_compiler(device: torch.device | str = "cpu") -> float:
     return time.perf_counter() - start
 
 
-def start_fork_server(extra: Sequence[str] = ("torch._inductor.compile_fx",)) -> bool:
-    """Start the fork server behind ``helpers.isolate`` now, preloading ``extra`` modules too.
-
-    ``isolate`` forks each fresh process from a server that imported torch and transformers
-    once. Started early, the server imports them in the background while the notebook is
-    busy with its own imports; with inductor preloaded, each compiling child skips importing
-    it. Returns False where there is no fork server (Windows: isolate spawns instead).
-    """
-    import multiprocessing as mp
-    from multiprocessing import forkserver
-
-    from helpers import isolate
-
-    if "forkserver" not in mp.get_all_start_methods():
-        return False
-    if torch.cuda.is_available():
-        extra = ()  # an import that touched CUDA in the server would break CUDA in its children
-    mp.get_context("forkserver").set_forkserver_preload([*isolate._PRELOAD, *extra])
-    forkserver.ensure_running()
-    return True
-
-
 def generated_kernels(code: str) -> dict:
     """Kernels inductor generated in one output-code module, and the library calls it makes.
 

@@ -15,10 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 # Imported once by the forkserver, so every child starts with them (about 0.6 s saved per
-# child for the two modeling modules). Extend with ``preload`` before the first experiment.
+# child for the two modeling modules). None of them touches CUDA when imported.
 _PRELOAD = [
     "torch",
     "transformers",
@@ -26,6 +24,7 @@ _PRELOAD = [
     "transformers.models.llama.modeling_llama",
     "helpers.train",
 ]
+_started_with: list[str] | None = None  # what ``start`` asked for, kept if the server restarts
 
 
 @dataclass
@@ -37,24 +36,51 @@ class Outcome:
     error_type: str | None = None  # "oom" | "error" | "crash"
 
 
-def preload(*modules: str) -> None:
-    """Have fresh processes start with ``modules`` imported (call before the first experiment).
+def preload_list(*extra: str) -> list[str]:
+    """The modules the fork server imports: the usual ones, plus ``extra`` where that is safe.
 
-    Worth it for a module that is slow to import and used by many experiments, such as
-    bitsandbytes (about 3 s per child on a laptop CPU). Once the forkserver runs, it is too late.
+    Some extras ask CUDA about the GPU when imported (bitsandbytes does, and peft imports
+    it), and a process that has initialised CUDA cannot hand a working CUDA to children it
+    forks. So where a CUDA GPU is present, extras are left out and each child imports them.
     """
-    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+    import torch
+
+    modules = list(_PRELOAD)
+    if extra and not torch.cuda.is_available():
+        modules += [m for m in extra if m not in modules]
+    return modules
+
+
+def start(*extra: str) -> bool:
+    """Start the fork server now, with ``extra`` modules preloaded too (see ``preload_list``).
+
+    The server imports its modules in the background, so started in a notebook's first cell
+    it is ready by the first experiment instead of making that one wait (seconds on a
+    laptop). Call it before the first experiment: once the server runs, its preload is fixed.
+    Returns False where there is no fork server (Windows: experiments spawn).
+    """
+    from multiprocessing import forkserver
+
+    global _started_with
+    if "forkserver" not in mp.get_all_start_methods():
+        return False
+    _started_with = preload_list(*extra)
+    mp.get_context("forkserver").set_forkserver_preload(_started_with)
+    forkserver.ensure_running()
+    return True
 
 
 def _context():
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload(_started_with or _PRELOAD)
         return ctx
     return mp.get_context("spawn")
 
 
 def _child(conn, fn, args, kwargs) -> None:
+    import torch
+
     try:
         conn.send(Outcome(value=fn(*args, **kwargs)))
     except torch.OutOfMemoryError as err:
@@ -103,6 +129,8 @@ def call_isolated(fn: Callable, *args, timeout: float | None = None, **kwargs) -
 
 def run(cfg, isolate: bool = True):
     """``helpers.train.measure(cfg)`` in a fresh process (or in this one); always a Record."""
+    import torch
+
     from helpers.results import Record
     from helpers.train import measure
 
@@ -121,6 +149,8 @@ def run(cfg, isolate: bool = True):
 
 
 def _device_name(device: str | None) -> str:
+    import torch
+
     from helpers.hardware import cpu_name
     from helpers.scale import default_device
 

@@ -39,11 +39,13 @@ def test_measure_json_encoder_from_config_path():
     assert data["peak"] >= data["params"] + data["optimizer_state"]
 
 
-def test_measure_json_decoder_sgd():
-    out = cli("measure", "--model", "llama-tiny", "--batch-size", "2", "--seq-len", "32",
-              "--optimizer", "sgd", "--json", "--no-flops")  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    data = json.loads(out.stdout.strip().splitlines()[-1])
+def test_measure_json_decoder_sgd(capsys, monkeypatch):
+    # In-process, the same main() as above: one real subprocess per kind of output is enough.
+    monkeypatch.setenv("COURSE_DEVICE", "cpu")
+    code = main(["measure", "--model", "llama-tiny", "--batch-size", "2", "--seq-len", "32",
+                 "--optimizer", "sgd", "--json", "--no-flops"])  # fmt: skip
+    assert code == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["optimizer_state"] == 4 * data["n_params"]  # momentum only
 
 

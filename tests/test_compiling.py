@@ -172,26 +172,3 @@ def test_step_profile_with_aot_eager(monkeypatch):
     # and the input gradient of the second linear (the input x needs none).
     assert out["flops"] == 5 * (2 * 16 * 8 * 32)
     reset_dynamo()
-
-
-def test_start_fork_server_sets_isolates_preload_plus_inductor(monkeypatch):
-    import multiprocessing as mp
-    from multiprocessing import forkserver
-
-    from helpers import isolate
-
-    if "forkserver" not in mp.get_all_start_methods():
-        pytest.skip("no fork server on this platform")
-    started = []
-    monkeypatch.setattr(forkserver, "ensure_running", lambda: started.append(True))
-    saved = list(forkserver._forkserver._preload_modules)
-    try:
-        assert compiling.start_fork_server()
-        preload = forkserver._forkserver._preload_modules
-    finally:
-        forkserver._forkserver._preload_modules = saved
-    assert started == [True]
-    assert preload[: len(isolate._PRELOAD)] == list(isolate._PRELOAD)
-    assert preload[len(isolate._PRELOAD) :] == (
-        [] if torch.cuda.is_available() else ["torch._inductor.compile_fx"]
-    )

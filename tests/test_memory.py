@@ -119,3 +119,66 @@ def test_isolation_reports_a_dead_process():
 
     outcome = call_isolated(os._exit, 3)
     assert outcome.error_type == "crash" and "exit code 3" in outcome.error
+
+
+def test_fork_server_preloads_extras_only_without_cuda(monkeypatch):
+    from helpers import isolate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert isolate.preload_list("peft", "torch") == [*isolate._PRELOAD, "peft"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert isolate.preload_list("peft") == isolate._PRELOAD
+
+
+def test_start_hands_the_preload_to_the_fork_server(monkeypatch):
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+
+    from helpers import isolate
+
+    if "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("no fork server on this platform")
+    started = []
+    monkeypatch.setattr(forkserver, "ensure_running", lambda: started.append(True))
+    monkeypatch.setattr(isolate, "_started_with", None)  # later tests: the usual preload
+    monkeypatch.setattr(forkserver._forkserver, "_preload_modules", [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert isolate.start("peft")
+    assert started == [True]
+    assert forkserver._forkserver._preload_modules == [*isolate._PRELOAD, "peft"]
+    isolate._context()  # a later experiment keeps what start chose
+    assert forkserver._forkserver._preload_modules == [*isolate._PRELOAD, "peft"]
+
+
+# Run in a fresh interpreter: which torch.cuda queries each module makes while it is imported.
+CUDA_PROBE = """
+import importlib, json, sys, torch
+asked = []
+for name in ("is_available", "device_count", "get_device_capability", "_lazy_init"):
+    real = getattr(torch.cuda, name)
+    setattr(torch.cuda, name, lambda *a, _n=name, _f=real, **k: asked.append(_n) or _f(*a, **k))
+out = {}
+for module in sys.argv[1:]:
+    del asked[:]
+    importlib.import_module(module)
+    out[module] = sorted(set(asked))
+print(json.dumps(out))
+"""
+
+
+def test_the_usual_preload_never_asks_cuda_but_bitsandbytes_does():
+    # Why preload_list leaves extras out on a GPU: a fork server that initialised CUDA hands
+    # children a CUDA they cannot use.
+    import json
+    import subprocess
+    import sys
+
+    from helpers import isolate
+
+    modules = [m for m in isolate._PRELOAD if m != "torch"] + ["bitsandbytes"]
+    done = subprocess.run(
+        [sys.executable, "-c", CUDA_PROBE, *modules], capture_output=True, text=True, check=True
+    )
+    asked = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(asked[m] == [] for m in modules[:-1]), asked
+    assert "is_available" in asked["bitsandbytes"], asked
