@@ -43,10 +43,12 @@ def preload_list(*extra: str) -> list[str]:
     it), and a process that has initialised CUDA cannot hand a working CUDA to children it
     forks. So where a CUDA GPU is present, extras are left out and each child imports them.
     """
+    modules = list(_PRELOAD)
+    if not extra:
+        return modules  # no need to import torch here: the server starts at once
     import torch
 
-    modules = list(_PRELOAD)
-    if extra and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         modules += [m for m in extra if m not in modules]
     return modules
 

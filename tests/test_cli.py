@@ -60,8 +60,8 @@ def test_measure_json_decoder_sgd(capsys, monkeypatch):
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(args, capsys, monkeypatch):
-    # In-process (the same main() the module runs) to keep the suite fast; the subprocess
-    # test below checks the real exit code once.
+    # In-process (the same main() the module runs) to keep the suite fast; the first test
+    # runs the real ``python -m helpers`` once.
     monkeypatch.setenv("COURSE_DEVICE", "cpu")
     base = {"--model": "bert-tiny", "--batch-size": "2", "--seq-len": "32"}
     for flag, value in zip(args[::2], args[1::2], strict=True):
@@ -77,9 +77,10 @@ def test_bad_input_is_one_line_and_exit_code_2(args, capsys, monkeypatch):
     assert len(lines) == 1 and lines[0].startswith("error: "), err
 
 
-def test_bad_json_config_is_exit_2_from_a_shell(tmp_path):
+def test_bad_json_config_is_exit_2(tmp_path, capsys):
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
-    out = cli("measure", "--model", str(bad), "--batch-size", "2", "--seq-len", "8", "--json")
-    assert out.returncode == 2 and out.stderr.startswith("error: cannot read model config")
-    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    code = main(["measure", "--model", str(bad), "--batch-size", "2", "--seq-len", "8", "--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: cannot read model config")
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
