@@ -100,15 +100,20 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def call_isolated(fn: Callable, *args, timeout: float | None = None, **kwargs) -> Outcome:
+def call_isolated(
+    fn: Callable, *args, timeout: float | None = None, daemon: bool = True, **kwargs
+) -> Outcome:
     """Call ``fn(*args, **kwargs)`` in a fresh process; its result or its failure comes back.
 
     ``fn`` must be importable (defined in a module, not in a notebook cell).
     A child killed from outside (the kernel's OOM killer, a segfault) comes back as "crash".
+    The child is a daemon (it dies with the kernel) unless ``daemon=False``, which an
+    experiment needs when it starts processes of its own, such as DataLoader workers:
+    multiprocessing does not let a daemon process have children.
     """
     ctx = _context()
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child, fn, args, kwargs), daemon=True)
+    proc = ctx.Process(target=_child, args=(child, fn, args, kwargs), daemon=daemon)
     proc.start()
     child.close()
     try:

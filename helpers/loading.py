@@ -11,7 +11,6 @@ run in a fresh process (``helpers.isolate.call_isolated``).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import multiprocessing as mp
 import os
@@ -414,18 +413,14 @@ class UtilSampler:
         return statistics.fmean(self.samples) if self.samples else None
 
 
-@contextlib.contextmanager
-def workers_allowed():
-    """Let this process start DataLoader workers even if it runs as a daemon process."""
-    # helpers.isolate starts its fresh processes as daemons, and multiprocessing forbids a
-    # daemon to have children; the flag only matters to this process, so lift it meanwhile.
-    proc = mp.current_process()
-    was = proc._config.get("daemon", False)
-    proc._config["daemon"] = False
-    try:
-        yield
-    finally:
-        proc._config["daemon"] = was
+def check_workers_allowed(num_workers: int) -> None:
+    """Raise a clear error where DataLoader workers cannot start: in a daemon process."""
+    if num_workers > 0 and mp.current_process().daemon:
+        raise RuntimeError(
+            f"{num_workers} DataLoader worker(s) asked for in a daemon process, and daemon "
+            "processes may not have children: run this experiment with "
+            "isolate.call_isolated(..., daemon=False)"
+        )
 
 
 def loader_loop(spec: LoopSpec) -> LoopResult:
@@ -435,6 +430,7 @@ def loader_loop(spec: LoopSpec) -> LoopResult:
     # share the machine's state of that moment.
     from helpers.timing import synchronize
 
+    check_workers_allowed(spec.num_workers)
     torch.set_num_threads(spec.threads)
     dev = _device(spec.device)
     net, optimizer = _model_and_optimizer(spec.model, dev, spec.seed)
@@ -457,22 +453,21 @@ def loader_loop(spec: LoopSpec) -> LoopResult:
         synchronize(dev)
         return t1 - t0, time.perf_counter() - t1, collate, collate_cpu, cpu
 
-    with workers_allowed():
-        start = time.perf_counter()
-        it = iter(loader)
-        compute = step(it)[1]
-        result.first_batch_s = time.perf_counter() - start - compute  # iter() + first batch
-        for _ in range(spec.warmup - 1):
-            step(it)
-        with UtilSampler(dev) as sampler:
-            for _ in range(spec.steps):
-                wait, compute, collate, collate_cpu, cpu = step(it)
-                result.waits.append(wait)
-                result.computes.append(compute)
-                result.collates.append(collate)
-                result.collate_cpus.append(collate_cpu)
-                result.model_cpus.append(cpu)
-        del it  # shuts the workers down
+    start = time.perf_counter()
+    it = iter(loader)
+    compute = step(it)[1]
+    result.first_batch_s = time.perf_counter() - start - compute  # iter() + first batch
+    for _ in range(spec.warmup - 1):
+        step(it)
+    with UtilSampler(dev) as sampler:
+        for _ in range(spec.steps):
+            wait, compute, collate, collate_cpu, cpu = step(it)
+            result.waits.append(wait)
+            result.computes.append(compute)
+            result.collates.append(collate)
+            result.collate_cpus.append(collate_cpu)
+            result.model_cpus.append(cpu)
+    del it  # shuts the workers down
     result.gpu_util = sampler.mean
     return result
 
@@ -487,20 +482,20 @@ def startup_times(
     method: str | None = "auto",
 ) -> list[float]:
     """Seconds from ``iter(loader)`` to the first batch, per epoch (short documents)."""
+    check_workers_allowed(num_workers)
     docs = Documents(batch_size * batches, seq_len, seed=0)
     loader = make_loader(
         docs, batch_size, seq_len, "slow", num_workers, method=method,
         persistent_workers=persistent and num_workers > 0,
     )  # fmt: skip
     times = []
-    with workers_allowed():
-        for _ in range(epochs):
-            start = time.perf_counter()
-            it = iter(loader)
-            next(it)
-            times.append(time.perf_counter() - start)
-            for _ in it:  # finish the epoch
-                pass
+    for _ in range(epochs):
+        start = time.perf_counter()
+        it = iter(loader)
+        next(it)
+        times.append(time.perf_counter() - start)
+        for _ in it:  # finish the epoch
+            pass
     return times
 
 
@@ -520,6 +515,7 @@ def trainer_runs(
     # step, the share spent before the step began (fetching the batch), the collate's own CPU
     # seconds (a Trainer subclass takes them out of the batch before the model sees it), the
     # Trainer's own throughput (start-up included) and the DataLoader settings it used.
+    check_workers_allowed(max(workers, default=0))
     dev = _device(device)
     if dev.type in ("cpu", "cuda"):  # DeepSpeed, imported with the Trainer, would guess and say so
         os.environ.setdefault("DS_ACCELERATOR", dev.type)
@@ -557,7 +553,7 @@ def trainer_runs(
     out = []
     for num_workers in workers:
         clock = StepClock()
-        with tempfile.TemporaryDirectory() as folder, workers_allowed():
+        with tempfile.TemporaryDirectory() as folder:
             args = TrainingArguments(
                 output_dir=folder,
                 per_device_train_batch_size=batch_size,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import warnings
 
 import pytest
@@ -21,9 +20,9 @@ from helpers.loading import (
     make_words,
     markov_walks,
     predicted_step,
+    startup_times,
     starvation_figure,
     wordpiece_vocab,
-    workers_allowed,
 )
 
 
@@ -90,31 +89,16 @@ def test_loop_result_accounting():
     assert len(fig.axes) == 2
 
 
-def _put(queue, value) -> None:
-    queue.put(value)
+def test_workers_need_a_non_daemon_experiment():
+    # helpers.isolate runs experiments as daemon processes (they die with the kernel), and
+    # DataLoader workers are children, which a daemon may not have: the error says what to do.
+    from helpers.isolate import call_isolated
 
-
-def _child_from_daemon(queue) -> None:
-    try:
-        mp.get_context("fork").Process(target=_put, args=(queue, "allowed")).start()
-    except AssertionError:  # "daemonic processes are not allowed to have children"
-        queue.put("refused")
-    with workers_allowed():
-        child = mp.get_context("fork").Process(target=_put, args=(queue, "started"))
-        child.start()
-        child.join()
-    queue.put("flag back" if mp.current_process().daemon else "flag lost")
-
-
-def test_daemon_process_may_start_workers():
-    # helpers.isolate runs experiments as daemon processes; DataLoader workers are children.
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_child_from_daemon, args=(queue,), daemon=True)
-    proc.start()
-    assert [queue.get(timeout=20) for _ in range(3)] == ["refused", "started", "flag back"]
-    proc.join(timeout=20)
-    assert proc.exitcode == 0
+    refused = call_isolated(startup_times, 1, False, 1, 1, 2, 16)
+    assert refused.error_type == "error" and "daemon=False" in refused.error
+    started = call_isolated(startup_times, 1, False, 1, 1, 2, 16, daemon=False)
+    assert started.error is None, started.error
+    assert len(started.value) == 1 and started.value[0] > 0
 
 
 def test_pin_memory_without_accelerator_warns():
