@@ -67,7 +67,7 @@ def start(*extra: str) -> bool:
     if "forkserver" not in mp.get_all_start_methods():
         return False
     _started_with = preload_list(*extra)
-    mp.get_context("forkserver").set_forkserver_preload(_started_with)
+    _context()  # hands the list to the server
     forkserver.ensure_running()
     return True
 
