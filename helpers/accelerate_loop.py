@@ -49,6 +49,7 @@ class LoopResult:
     memory: dict | None = None  # helpers.memory.CategoryPeaks of the tracked optimizer step
     step_times: list[float] = field(default_factory=list)
     n_params: int = 0
+    n_tensors: int = 0  # parameter tensors (CUDA rounds each one's storage)
     device: str = ""
     num_processes: int = 1
     process_index: int = 0
@@ -92,6 +93,7 @@ def train_loop(cfg: LoopConfig) -> LoopResult:
 
     result = LoopResult(
         n_params=sum(p.numel() for p in model.parameters()),
+        n_tensors=len(list(model.parameters())),
         device=str(accelerator.device),
         num_processes=accelerator.num_processes,
         process_index=accelerator.process_index,
@@ -101,7 +103,7 @@ def train_loop(cfg: LoopConfig) -> LoopResult:
     for step in range(cfg.max_steps):
         tracker = None
         if step == cfg.track_step:
-            tracker = CategoryTracker()
+            tracker = CategoryTracker(device=accelerator.device)
             tracker.track_external(accelerator.unwrap_model(model), optimizer.optimizer)
             tracker.__enter__()
         start = time.perf_counter()
@@ -147,7 +149,10 @@ def trainer_run(cfg: LoopConfig) -> LoopResult:
     data = _dataset(cfg, task_kind(config), cfg.max_steps * cfg.gradient_accumulation_steps)
     optim = {"adamw8bit": "adamw_bnb_8bit", "adamw": "adamw_torch", "sgd": "sgd",
              "adafactor": "adafactor"}[cfg.optimizer]  # fmt: skip
-    result = LoopResult(n_params=sum(p.numel() for p in model.parameters()))
+    result = LoopResult(
+        n_params=sum(p.numel() for p in model.parameters()),
+        n_tensors=len(list(model.parameters())),
+    )
 
     class TrackStep(TrainerCallback):
         """Track one optimizer step (all its micro-batches) with the course's tracker."""
@@ -158,7 +163,7 @@ def trainer_run(cfg: LoopConfig) -> LoopResult:
         def on_step_begin(self, args, state, control, model=None, optimizer=None, **kw):
             self.start = time.perf_counter()
             if state.global_step == cfg.track_step:
-                self.tracker = CategoryTracker()
+                self.tracker = CategoryTracker(device=next(model.parameters()).device)
                 inner = getattr(optimizer, "optimizer", optimizer)
                 self.tracker.track_external(model, inner)
                 self.tracker.__enter__()

@@ -94,28 +94,63 @@ def make_qkv(
     return tuple(tensors)
 
 
+# SDPA's kernels by the header CUDA's SDPA warns with before listing why it refused them.
+_REFUSAL_HEADERS = {
+    "sdpa-efficient": "Memory efficient kernel",
+    "sdpa-flash": "Flash attention kernel",
+    "sdpa-cudnn": "CuDNN attention kernel",
+}
+
+
 def backend_problem(name: str, device="cpu", dtype=torch.float32, head_dim: int = 64):
-    """None if ``name`` runs forward+backward here with this dtype, else why not (one line)."""
+    """None if ``name`` runs forward+backward here with this dtype, else why not (one line).
+
+    When no allowed kernel can run, CUDA's SDPA warns "<kernel> not used because:" for each
+    kernel, each header followed by one warning per reason, and then raises a generic error.
+    The reasons under this backend's own header are the useful part, so they are kept.
+    """
     q, k, v, grad = make_qkv(1, 2, 128, head_dim, dtype, device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             attend(name, q, k, v).backward(grad)
         except RuntimeError as err:
-            # SDPA warns with the reasons a kernel was refused, then raises a generic error.
-            reasons = [
-                str(w.message).splitlines()[0] for w in caught if "not used" in str(w.message)
-            ]
             first = str(err).strip().splitlines()[0]
-            return "; ".join([first, *reasons[:2]])
+            return "; ".join([first, *_refusal_reasons(caught, _REFUSAL_HEADERS.get(name))])
     return None
 
 
+def _refusal_reasons(caught, header: str | None) -> list[str]:
+    """SDPA's warnings grouped under their "... not used because:" headers, one line each.
+
+    With ``header``, only that kernel's group if there is one; otherwise every group.
+    """
+    groups: dict[str, list[str]] = {}
+    current = ""
+    for w in caught:
+        text = " ".join(str(w.message).split())
+        if text.endswith("not used because:"):
+            current = text.removesuffix(":")
+            groups.setdefault(current, [])
+        elif text:
+            reasons = groups.setdefault(current, [])
+            if text not in reasons:
+                reasons.append(text)
+    if header:
+        mine = {k: v for k, v in groups.items() if k.startswith(header)}
+        groups = mine or groups
+    return [f"{k}: {', '.join(v)}" if k else ", ".join(v) for k, v in groups.items() if v]
+
+
 def attention_dtype(device) -> torch.dtype:
-    """fp32 on CPU (its flash kernel takes fp32); bf16, else fp16, on GPUs (flash needs 16-bit)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    """fp32 on CPU (its flash kernel takes fp32); on GPUs bf16 where native, else fp16.
+
+    The CUDA flash and memory-efficient kernels need 16 bits, and refuse bf16 below sm80.
+    """
+    from helpers.device import bf16_native, is_cuda
+
+    if is_cuda(device):
+        return torch.bfloat16 if bf16_native(device) else torch.float16
     return torch.float32
 
 
@@ -128,26 +163,33 @@ def layer_memory(
     dtype: str = "fp32",
     device: str = "cpu",
 ) -> dict:
-    """Exact bytes of one attention forward+backward (CategoryTracker); for call_isolated."""
-    from helpers.memory import CategoryTracker, allocator_peaks, reset_device_peaks
+    """Exact bytes of one attention forward+backward (CategoryTracker); for call_isolated.
+
+    One untracked forward+backward runs first: on a GPU it allocates what stays allocated
+    for good (cuBLAS/cuDNN workspaces, the kernels' first-use buffers), which would otherwise
+    add a constant to the smallest sizes and bend the fitted slope. The allocator's number is
+    then measured from the baseline after it.
+    """
+    from helpers.memory import CategoryTracker, allocator_baseline, allocator_growth
 
     device = torch.device(device)
     q, k, v, grad = make_qkv(batch, heads, seq, head_dim, DTYPES[dtype], device)
     inputs = sum(t.numel() * t.element_size() for t in (q, k, v, grad))
-    reset_device_peaks(device)
-    tracker = CategoryTracker()
+    _forward_backward(name, q, k, v, grad)  # warm-up, see above
+    q.grad = k.grad = v.grad = None
+    baseline = allocator_baseline(device)
+    tracker = CategoryTracker(device=device)
     with tracker:
         out = attend(name, q, k, v)
         out.backward(grad)
         del out
     peaks = tracker.peaks()
-    alloc = allocator_peaks(device)
     return {
         "peak": peaks.peak,  # everything created inside: saved tensors, scratch, the gradients
         "activations": peaks.activations,  # created in forward (saved for backward or scratch)
         "temporaries": peaks.temporaries,  # created in backward, q/k/v gradients included
         "inputs": inputs,  # q, k, v and the output gradient, made before tracking
-        "allocator": None if alloc is None else alloc.allocated,  # everything, kernels' own too
+        "allocator": allocator_growth(device, baseline),  # everything, kernels' scratch too
     }
 
 
@@ -262,10 +304,12 @@ def flash_attn_2_problem(device) -> str | None:
     """None when transformers can use the flash-attn package here, else why not."""
     from transformers.utils import is_flash_attn_2_available
 
+    from helpers.device import gpu_info, is_cuda
+
     device = torch.device(device)
-    if device.type != "cuda":
+    if not is_cuda(device):
         return f"flash_attention_2 needs an NVIDIA GPU; this is {device.type}"
-    if torch.cuda.get_device_capability(device) < (8, 0):
+    if gpu_info(device).capability < (8, 0):
         return "flash_attention_2 needs compute capability 8.0+ (Ampere or newer)"
     if not is_flash_attn_2_available():
         return "the flash-attn package is not installed (pip install flash-attn)"

@@ -48,8 +48,8 @@ def raise_if_oom(record) -> None:
 class RecognisedBudgetTracker(CategoryTracker):
     """A budgeted ``CategoryTracker`` whose OOM message accelerate's search recognises."""
 
-    def __init__(self, budget: int | None = None) -> None:
-        super().__init__(budget)
+    def __init__(self, budget: int | None = None, device: torch.device | None = None) -> None:
+        super().__init__(budget, device)
         # MemTracker's module hooks keep the autograd graph of a forward that raised alive (its
         # backward hooks and the graph reference each other), so every retry after an OOM would
         # start with the failed attempt's activations still counted; and they refuse a second
@@ -85,7 +85,7 @@ def recognised_budget(nbytes: int, *tracked, device: torch.device):
         with memory_budget(nbytes, device=device):
             yield None
         return
-    tracker = RecognisedBudgetTracker(budget=nbytes)
+    tracker = RecognisedBudgetTracker(budget=nbytes, device=device)
     tracker.track_external(*tracked)
     with tracker:
         yield tracker
@@ -171,10 +171,10 @@ def trainer_auto_batch(
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     from helpers.data import MarkovTask, markov_dataset
+    from helpers.device import resolve
     from helpers.models import build_model, load_config, task_kind
-    from helpers.scale import default_device
 
-    dev = torch.device(device) if device else default_device()
+    dev = resolve(device)
     config = load_config(model)
     net = build_model(config, device=dev, seed=seed)
     task = MarkovTask(n_states=min(64, config.vocab_size), seed=seed)

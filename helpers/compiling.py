@@ -219,10 +219,10 @@ def fusion_profile(
     """
     from torch._dynamo.utils import counters
 
-    from helpers.scale import default_device
+    from helpers.device import resolve
     from helpers.timing import synchronize, time_fn
 
-    dev = torch.device(device) if device else default_device()
+    dev = resolve(device)
     if prepare:
         prepare_compiler(dev)
     reset_dynamo()
@@ -323,10 +323,10 @@ def step_profile(
     compiled after clearing every in-memory compiler cache, so that only inductor's disk
     cache carries over (key ``"inductor, warm"``). For a fresh process.
     """
-    from helpers.scale import default_device
+    from helpers.device import resolve
     from helpers.timing import train_flops
 
-    dev = torch.device(device) if device else default_device()
+    dev = resolve(device)
     out: dict = {"prepare_s": prepare_compiler(dev), "rows": rows, "first_s": {}, "code": []}
     if cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir

@@ -88,16 +88,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from helpers.device import allocation_bytes
 from helpers.models import load_config, task_kind
+from helpers.optim_state import BNB_BLOCK, state_tensors, tracked_bytes
 
 OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
 PRECISION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 AUTOCAST = ("bf16", "fp16")
 FP32 = 4
 INT64 = 8
-BNB_BLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states (one fp32 absmax each)
-BNB_MIN_8BIT = 4096  # bitsandbytes' default min_8bit_size: smaller tensors keep fp32 states
-BNB_QMAPS = 2 * 256 * FP32  # the signed and unsigned quantisation maps, shared by all tensors
 
 DECODERS = ("llama", "mistral", "qwen2")
 MOE = ("mixtral",)
@@ -134,8 +133,13 @@ class ModelInfo:
     family: str  # "encoder" | "decoder" | "moe"
     config: dict
     params: tuple[ParamInfo, ...]  # in model.parameters() order (the optimizer's order)
-    buffer_bytes: int
+    buffer_sizes: tuple[int, ...]  # bytes of each buffer (position ids, rotary frequencies...)
     tied: bool  # the LM head shares the input embedding's weight
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of all buffers."""
+        return sum(self.buffer_sizes)
 
     @property
     def n_params(self) -> int:
@@ -233,13 +237,13 @@ def describe_model(
         params.append(ParamInfo(name, tuple(p.shape), stage, is_embedding, cast, p.requires_grad))
     out_emb, in_emb = net.get_output_embeddings(), net.get_input_embeddings()
     tied = out_emb is not None and out_emb.weight is in_emb.weight
-    buffers = sum(b.numel() * b.element_size() for b in net.buffers())
+    buffers = tuple(b.numel() * b.element_size() for b in net.buffers())
     return ModelInfo(
         model_type=config.model_type,
         family=family,
         config={**config.to_dict(), "_experts_implementation": _experts_impl(net)},
         params=tuple(params),
-        buffer_bytes=buffers,
+        buffer_sizes=buffers,
         tied=tied,
     )
 
@@ -299,33 +303,15 @@ def training_state(
     )
 
 
-def optimizer_state_bytes(optimizer: str, params) -> int:
-    """Exact optimizer-state bytes for ``params`` (ParamInfo, or anything with shape/numel)."""
-    total, any_8bit = 0, False
-    for p in params:
-        if not getattr(p, "trainable", True):
-            continue
-        shape = tuple(p.shape)
-        n = math.prod(shape)
-        if optimizer == "adamw":
-            total += 2 * FP32 * n + FP32  # exp_avg, exp_avg_sq, and a 0-dim fp32 step tensor
-        elif optimizer == "sgd":
-            total += FP32 * n  # momentum buffer (no step counter)
-        elif optimizer == "adafactor":
-            if len(shape) >= 2:  # factored second moment: a row and a column vector per matrix
-                *lead, rows, cols = shape
-                total += FP32 * math.prod(lead) * (rows + cols) + FP32
-            else:  # vectors keep a full second moment
-                total += FP32 * n + FP32
-        elif optimizer == "adamw8bit":
-            if getattr(p, "embedding", False) or n < BNB_MIN_8BIT:
-                total += 2 * FP32 * n  # state1, state2 in fp32; bnb's step is a Python int
-            else:
-                any_8bit = True
-                total += 2 * n + 2 * FP32 * math.ceil(n / BNB_BLOCK)  # uint8 states + absmax
-        else:
-            raise ValueError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    return total + (BNB_QMAPS if any_8bit else 0)
+def optimizer_state_bytes(optimizer: str, params, device_type: str = "cpu") -> int:
+    """Exact optimizer-state bytes for ``params`` (ParamInfo, or anything with shape/numel).
+
+    The per-optimizer rules are ``helpers.optim_state.state_tensors`` (lesson 06 checks them
+    tensor by tensor against real optimizers). On CUDA the bytes are the tracker's: each
+    tensor rounded up to 512 B, and torch's step counters left out (they live on the CPU).
+    """
+    rows = state_tensors(params, optimizer, device_type)
+    return tracked_bytes(rows, torch.device(device_type))
 
 
 def optimizer_step_temporaries(optimizer: str, params, device_type: str = "cpu") -> int:
@@ -1023,11 +1009,11 @@ def estimate(
 
     ``model`` is a bundled name, a config JSON path, a dict, a transformers config or a
     ``ModelInfo`` from ``describe_model`` (reuse one to estimate many settings quickly).
-    ``device`` (default: ``helpers.scale.default_device()``) picks CPU or CUDA behaviour.
+    ``device`` (default: ``helpers.device.default_device()``) picks CPU or CUDA behaviour.
     ``lora_r`` > 0 trains LoRA adapters of that rank on ``lora_targets`` instead of every
     weight (as ``RunConfig``; ignored when ``model`` is a ModelInfo, which already says it).
     """
-    from helpers.scale import default_device
+    from helpers.device import resolve
 
     if precision not in PRECISION_BYTES:
         raise ValueError(f"unknown precision {precision!r}: use fp32, tf32, bf16 or fp16")
@@ -1041,18 +1027,25 @@ def estimate(
     limit = info.config.get("max_position_embeddings")
     if limit and seq_len > limit:
         raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings ({limit})")
-    dev = torch.device(device) if device is not None else default_device()
+    dev = resolve(device)
     amp = precision in AUTOCAST
     z = _Shape(b=batch_size, s=seq_len, ea=PRECISION_BYTES[precision], amp=amp, dev=dev.type)
     build = _encoder_stages if info.family == "encoder" else _decoder_stages
     stages = build(info, z, attn, gradient_checkpointing)
     _add_adapters(stages, info, z)
+    if dev.type == "cuda":
+        _round_to_allocations(stages, info)
     trainable = [p for p in info.params if p.trainable]
-    params = FP32 * info.n_params
-    grads = FP32 * info.n_trainable
-    state = optimizer_state_bytes(optimizer, trainable)
+
+    def alloc(nbytes: int) -> int:  # a tensor's bytes as the allocator holds them
+        return allocation_bytes(nbytes, dev.type)
+
+    params = sum(alloc(FP32 * p.numel) for p in info.params)
+    grads = sum(alloc(FP32 * p.numel) for p in trainable)
+    buffers = sum(alloc(b) for b in info.buffer_sizes)
+    state = optimizer_state_bytes(optimizer, trainable, dev.type)
     opt_temp = optimizer_step_temporaries(optimizer, trainable, dev.type)
-    base = params + info.buffer_bytes + state
+    base = params + buffers + state
     act, temp, copies, peak, where = _simulate(stages, base, grads, grad_accum > 1, opt_temp)
     layer = {}
     for st in stages:
@@ -1064,7 +1057,7 @@ def estimate(
     return Estimate(
         n_params=info.n_params,
         params=params,
-        buffers=info.buffer_bytes,
+        buffers=buffers,
         gradients=grads,
         optimizer_state=state,
         activations=act,
@@ -1075,6 +1068,33 @@ def estimate(
         layer_activations=layer,
         paper_layer_bytes=paper,
     )
+
+
+def _round_to_allocations(stages: list[Stage], m: ModelInfo) -> None:
+    """CUDA's view of the stages: every storage rounded up to the allocator's 512 B blocks.
+
+    Gradients and autocast copies are rounded tensor by tensor (one per parameter). Each
+    saved or transient entry is rounded as one storage: exact where an entry is one tensor,
+    and short by under 512 B per extra tensor where it groups several (q, k, v...).
+    """
+
+    def alloc(nbytes: int) -> int:
+        return allocation_bytes(nbytes, "cuda")
+
+    for st in stages:
+        for part in (st.saved, st.forward_only, st.transient):
+            for key, nbytes in part.items():
+                part[key] = alloc(nbytes)
+        mine = [p for p in m.params if p.stage == st.name]
+        if st.grads:
+            st.grads = sum(alloc(FP32 * p.numel) for p in mine if p.trainable)
+        if st.copies:
+            tied = 0  # the tied input embedding, cast for the LM head
+            if st.name == "head" and m.tied:
+                tied = next(p.numel for p in m.params if p.embedding and p.stage == "embed")
+            st.copies = sum(alloc(2 * p.numel) for p in mine if p.cast) + (tied and alloc(2 * tied))
+        if st.pending_grads:
+            st.pending_grads = alloc(st.pending_grads)
 
 
 def _add_adapters(stages: list[Stage], m: ModelInfo, z: _Shape) -> None:

@@ -1,12 +1,17 @@
-"""What machine the numbers come from: torch's view and, on NVIDIA GPUs, NVML's view."""
+"""What machine the numbers come from: torch's view and, on NVIDIA GPUs, NVML's view.
+
+The GPU questions themselves are asked in ``helpers.device``; this module turns the answers
+into a report and into sentences a learner can act on.
+"""
 
 from __future__ import annotations
 
-import os
 import platform
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from helpers import device as dev
 
 
 @dataclass
@@ -17,12 +22,14 @@ class HardwareReport:
     name: str
     total_memory: int | None  # bytes; None on CPU (the lessons use a budget there instead)
     compute_capability: tuple[int, int] | None
-    bf16: bool
+    bf16: bool  # bf16 arithmetic in hardware (an emulated bf16 is slower than fp32: False)
     fp16: bool
     tf32: bool
     cpu_threads: int
     nvml: str  # one line: driver and device as NVML sees them, or why NVML is unavailable
     versions: dict[str, str] = field(default_factory=dict)
+    multiprocessors: int | None = None  # SMs of a CUDA device (a MIG slice has a share)
+    mig: bool = False  # a MIG slice of an A100/H100 rather than a whole GPU
 
     def as_dict(self) -> dict:
         """Plain dict for records and JSON."""
@@ -43,49 +50,6 @@ def library_versions() -> dict[str, str]:
     if torch.version.cuda:
         out["cuda"] = torch.version.cuda
     return out
-
-
-def nvml_summary(index: int = 0) -> str:
-    """One line from NVML (what nvidia-smi reads); says why when there is no NVIDIA driver."""
-    try:
-        import pynvml
-    except ImportError:
-        return "NVML: nvidia-ml-py is not installed (pip install nvidia-ml-py)"
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as err:
-        return f"NVML: no NVIDIA driver on this machine ({err})"
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        name = pynvml.nvmlDeviceGetName(handle)
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        return f"NVML: {name}, driver {driver}, {mem.total / 1024**3:.1f} GiB"
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def nvml_used_bytes(device: torch.device | None = None) -> int | None:
-    """Memory in use on the whole GPU as NVML sees it (CUDA context included); None without NVML."""
-    if device is None or device.type != "cuda":
-        return None
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # no package or no driver: the third memory view does not exist here
-        return None
-    try:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        # NVML numbers devices physically; honour CUDA_VISIBLE_DEVICES when it is a plain list.
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        ids = [v for v in visible.split(",") if v.strip().isdigit()]
-        if ids and index < len(ids):
-            index = int(ids[index])
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def cpu_name() -> str:
@@ -112,24 +76,23 @@ def cpu_supports(dtype: torch.dtype) -> bool:
 
 def hardware_report(device: torch.device | None = None) -> HardwareReport:
     """Name, memory, compute capability and 16-bit / tf32 support of ``device``."""
-    from helpers.scale import default_device
-
-    device = device or default_device()
+    device = dev.resolve(device)
     threads = torch.get_num_threads()
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        cc = (props.major, props.minor)
+    if dev.is_cuda(device):
+        info = dev.gpu_info(device)
         return HardwareReport(
             device=str(device),
-            name=props.name,
-            total_memory=int(props.total_memory),
-            compute_capability=cc,
-            bf16=torch.cuda.is_bf16_supported(),
+            name=info.name,
+            total_memory=info.total_memory,
+            compute_capability=info.capability,
+            bf16=dev.bf16_native(device),  # native only: emulated bf16 is slower than fp32
             fp16=True,
-            tf32=cc >= (8, 0),  # tensor-float-32 tensor cores arrived with Ampere (sm_80)
+            tf32=dev.tf32_capable(device),  # tf32 tensor cores arrived with Ampere (sm_80)
             cpu_threads=threads,
-            nvml=nvml_summary(device.index or 0),
+            nvml=dev.nvml_summary(device),
             versions=library_versions(),
+            multiprocessors=info.multiprocessors,
+            mig=info.mig,
         )
     if device.type == "cpu":
         return HardwareReport(
@@ -141,7 +104,7 @@ def hardware_report(device: torch.device | None = None) -> HardwareReport:
             fp16=cpu_supports(torch.float16),
             tf32=False,  # tf32 is an NVIDIA tensor-core format
             cpu_threads=threads,
-            nvml=nvml_summary(),
+            nvml=dev.nvml_summary(device),
             versions=library_versions(),
         )
     # Other accelerators (mps, xpu, ...): report what torch can tell, claim nothing else.
@@ -154,7 +117,7 @@ def hardware_report(device: torch.device | None = None) -> HardwareReport:
         fp16=True,
         tf32=False,
         cpu_threads=threads,
-        nvml=nvml_summary(),
+        nvml=dev.nvml_summary(device),
         versions=library_versions(),
     )
 
@@ -171,6 +134,12 @@ def precision_problem(precision: str, device: torch.device) -> str | None:
                 f"({report.device}) has none: use --precision fp32 or bf16"
             )
         return None
+    if precision == "bf16" and report.compute_capability and not report.bf16:
+        return (
+            f"bf16 needs compute capability 8.0 (Ampere) or newer; {report.name} has "
+            f"{report.compute_capability[0]}.{report.compute_capability[1]} and would only "
+            "emulate it, slower than fp32: use --precision fp16 (with loss scaling) instead"
+        )
     if precision in ("bf16", "fp16"):
         if not getattr(report, precision):
             return (
@@ -179,23 +148,3 @@ def precision_problem(precision: str, device: torch.device) -> str | None:
             )
         return None
     return f"unknown precision {precision!r}: use fp32, tf32, bf16 or fp16"
-
-
-def cuda_context_bytes() -> int | None:
-    """Device memory the CUDA context itself takes, per NVML: used after init minus before.
-
-    Run it in a fresh process (``helpers.isolate.call_isolated``): in a process that has
-    already touched CUDA the context exists and the difference is meaningless. Other
-    processes on the same GPU change NVML's number too, so run it on an idle GPU.
-    """
-    if not torch.cuda.is_available():
-        return None
-    if torch.cuda.is_initialized():
-        raise RuntimeError("CUDA is already initialised here: call this in a fresh process")
-    device = torch.device("cuda", 0)
-    before = nvml_used_bytes(device)
-    if before is None:
-        return None
-    torch.zeros(1, device=device)  # creating the first tensor creates the context
-    torch.cuda.synchronize(device)
-    return nvml_used_bytes(device) - before - torch.cuda.memory_reserved(device)

@@ -46,9 +46,9 @@ def preload_list(*extra: str) -> list[str]:
     modules = list(_PRELOAD)
     if not extra:
         return modules  # no need to import torch here: the server starts at once
-    import torch
+    from helpers.device import cuda_available
 
-    if not torch.cuda.is_available():
+    if not cuda_available():
         modules += [m for m in extra if m not in modules]
     return modules
 
@@ -156,12 +156,10 @@ def run(cfg, isolate: bool = True):
 
 
 def _device_name(device: str | None) -> str:
-    import torch
-
+    from helpers.device import resolve
     from helpers.hardware import cpu_name
-    from helpers.scale import default_device
 
-    # Not torch.cuda.get_device_name: that would create a CUDA context in this (notebook)
-    # process, and its memory would then show up in every later NVML reading.
-    dev = torch.device(device) if device else default_device()
+    # Not the GPU's name: asking would initialise CUDA in this (notebook) process, and its
+    # context would then show up in every later NVML reading.
+    dev = resolve(device)
     return cpu_name() if dev.type == "cpu" else str(dev)

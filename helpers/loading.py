@@ -17,7 +17,6 @@ import os
 import random
 import statistics
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,9 +192,9 @@ def _model_and_optimizer(name: str, device: torch.device, seed: int):
 
 
 def _device(device: str | None) -> torch.device:
-    from helpers.scale import default_device
+    from helpers.device import resolve
 
-    return torch.device(device) if device else default_device()
+    return resolve(device)
 
 
 def batch_times(loader: DataLoader, n: int) -> list[float]:
@@ -359,60 +358,6 @@ class LoopResult:
         return self.spec.batch_size / self.step_time
 
 
-def nvml_handle(device: torch.device):
-    """NVML handle of a CUDA device (honouring CUDA_VISIBLE_DEVICES), or None without NVML."""
-    if device.type != "cuda":
-        return None
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # no package or no driver
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    ids = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip().isdigit()]
-    if ids and index < len(ids):
-        index = int(ids[index])
-    try:
-        return pynvml.nvmlDeviceGetHandleByIndex(index)
-    except pynvml.NVMLError:  # e.g. devices named by UUID, or a MIG slice
-        pynvml.nvmlShutdown()
-        return None
-
-
-class UtilSampler:
-    """Samples NVML's GPU utilisation (% of time a kernel ran) in a thread while active."""
-
-    def __init__(self, device: torch.device, every: float = 0.05):
-        self.handle, self.every, self.samples = nvml_handle(device), every, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import pynvml
-
-        while not self._stop.wait(self.every):
-            self.samples.append(pynvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
-
-    def __enter__(self):
-        if self.handle is not None:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.handle is not None:
-            import pynvml
-
-            self._stop.set()
-            self._thread.join()
-            pynvml.nvmlShutdown()
-
-    @property
-    def mean(self) -> float | None:
-        """Mean utilisation in %, None when nothing was sampled."""
-        return statistics.fmean(self.samples) if self.samples else None
-
-
 def check_workers_allowed(num_workers: int) -> None:
     """Raise a clear error where DataLoader workers cannot start: in a daemon process."""
     if num_workers > 0 and mp.current_process().daemon:
@@ -459,6 +404,8 @@ def loader_loop(spec: LoopSpec) -> LoopResult:
     result.first_batch_s = time.perf_counter() - start - compute  # iter() + first batch
     for _ in range(spec.warmup - 1):
         step(it)
+    from helpers.device import UtilSampler
+
     with UtilSampler(dev) as sampler:
         for _ in range(spec.steps):
             wait, compute, collate, collate_cpu, cpu = step(it)

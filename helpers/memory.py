@@ -7,7 +7,10 @@
 2. The CUDA caching allocator's peaks: ``allocated`` (bytes in live tensors) and
    ``reserved`` (bytes the allocator holds from the driver, cached blocks included).
 3. The whole device as NVML / nvidia-smi sees it, the CUDA context included
-   (``helpers.hardware.nvml_used_bytes``).
+   (``helpers.device.nvml_used_bytes``).
+
+On CUDA, MemTracker counts each storage as the caching allocator holds it: rounded up to a
+multiple of 512 bytes (``helpers.device.allocation_bytes``), so a 4-byte bias takes 512.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+from helpers import device as dev
 
 # Our category names for MemTracker's reference types.
 CATEGORY = {
@@ -64,7 +69,7 @@ class _NoHook:
 class CategoryTracker(MemTracker):
     """``MemTracker`` plus what this course needs from it.
 
-    MemTracker stops short for us in three ways, so we extend it here:
+    MemTracker stops short for us in these ways, so we extend it here:
     - it keeps only the breakdown at the moment of the total peak; the course reports each
       category's own maximum (gradients peak after backward, activations inside it);
     - it labels the 16-bit weight copies that autocast makes as activations (they are created
@@ -75,14 +80,19 @@ class CategoryTracker(MemTracker):
       (exp_avg, exp_avg_sq, ...) as optimizer state, so that category is the state alone;
     - it has no budget: with ``budget`` set, growing past it raises ``torch.OutOfMemoryError``
       like a full GPU would, so "does it fit in 16 GB?" behaves the same on a laptop;
+    - it tallies each device separately and the course wants one: with ``device`` set, only
+      that device's storages count (on CUDA torch's AdamW keeps its step counters on the CPU);
     - it puts a gradient hook on every parameter, and ``register_hook`` refuses a frozen one
       (LoRA, lesson 13): frozen weights are marked as hooked already, so MemTracker skips the
       hook and still counts them as parameters.
     """
 
-    def __init__(self, budget: int | None = None) -> None:
+    def __init__(self, budget: int | None = None, device: torch.device | None = None) -> None:
         super().__init__()
         self.budget = budget
+        # Count only this device's storages (None: each storage's own device). On CUDA,
+        # torch's AdamW keeps its step counters on the CPU: they are not GPU memory.
+        self.device = None if device is None else dev.resolve(device)
         self.maxima = dict.fromkeys(CATEGORIES, 0)
         self.max_total = 0
         self.max_snapshot: dict[str, int] = {}
@@ -105,6 +115,8 @@ class CategoryTracker(MemTracker):
             self.copies_max = max(self.copies_max, self._copies_live)
         elif u_type.name == "DEL" and getattr(winfo, "course_weight_copy", False):
             self._copies_live -= winfo.mem_consumed
+        if self.device is not None and winfo.device != self.device:
+            return
         snap = self._curr_mem_snap.get(winfo.device)
         if snap is None:
             return
@@ -180,9 +192,9 @@ def reset_device_peaks(device: torch.device) -> None:
     """Free cached blocks and reset the allocator's peak counters (accelerate's recipe)."""
     gc.collect()
     if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-        torch.accelerator.empty_cache()
-        torch.accelerator.reset_peak_memory_stats(device)
+        dev.synchronize(device)
+        dev.empty_cache(device)
+        dev.reset_peak_stats(device)
 
 
 @dataclass
@@ -197,35 +209,60 @@ def allocator_peaks(device: torch.device) -> AllocatorPeaks | None:
     """Allocated and reserved peaks on an accelerator; None on the CPU (no caching allocator)."""
     if device.type == "cpu":
         return None
-    torch.accelerator.synchronize(device)
-    return AllocatorPeaks(
-        allocated=int(torch.accelerator.max_memory_allocated(device)),
-        reserved=int(torch.accelerator.max_memory_reserved(device)),
-    )
+    dev.synchronize(device)
+    stats = dev.allocator_stats(device)
+    return AllocatorPeaks(allocated=stats.max_allocated, reserved=stats.max_reserved)
+
+
+def allocator_baseline(device: torch.device) -> int | None:
+    """Reset the allocator's peaks and return the bytes allocated now (None on the CPU).
+
+    With ``allocator_growth`` after the code to measure, the allocator's view counts only
+    what that code added: not the inputs made before, and not what a warm-up call left
+    behind for good (cuBLAS/cuDNN workspaces, 32 MiB per stream on Hopper).
+    """
+    if device.type == "cpu":
+        return None
+    reset_device_peaks(device)
+    return dev.allocator_stats(device).allocated
+
+
+def allocator_growth(device: torch.device, baseline: int | None) -> int | None:
+    """Peak bytes allocated since ``allocator_baseline``, above its baseline."""
+    if baseline is None:
+        return None
+    return allocator_peaks(device).allocated - baseline
+
+
+def rounding_slack(n_tensors: int, device: torch.device) -> int:
+    """The most the allocator's rounding can add to ``n_tensors`` tensors: 511 B each on CUDA.
+
+    A claim such as "fp32 weights take 4 bytes per parameter" is exact on the CPU; on CUDA
+    each tensor is rounded up to a multiple of 512 bytes (a 4-byte bias takes 512).
+    """
+    return (dev.ALLOCATION_UNIT - 1) * n_tensors if dev.is_cuda(device) else 0
 
 
 @contextmanager
 def memory_budget(nbytes: int, *tracked, device: torch.device | None = None):
     """Pretend the device has ``nbytes``: past it, allocations raise ``torch.OutOfMemoryError``.
 
-    On CUDA the caching allocator is capped (``set_per_process_memory_fraction``); the cap
-    counts everything this process reserves on the GPU but not the CUDA context. Elsewhere a
-    ``CategoryTracker`` counts the tensors of ``tracked`` (modules, optimizers, tensors) plus
-    everything created inside the block, and is yielded so its peaks can be read.
+    On CUDA the caching allocator is capped so that this process's CUDA context plus what the
+    allocator reserves stays within ``nbytes`` (``helpers.device.cap_allocator`` says what
+    the cap counts); the ``Cap`` is yielded. Elsewhere a ``CategoryTracker`` counts the
+    tensors of ``tracked`` (modules, optimizers, tensors) plus everything created inside the
+    block, and is yielded so its peaks can be read.
     """
-    from helpers.scale import default_device
-
-    device = device or default_device()
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), device)
+    device = dev.resolve(device)
+    if dev.is_cuda(device):
+        cap = dev.cap_allocator(device, nbytes)
         try:
-            yield None
+            yield cap
         finally:
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            dev.uncap_allocator(device)
             reset_device_peaks(device)
         return
-    tracker = CategoryTracker(budget=nbytes)
+    tracker = CategoryTracker(budget=nbytes, device=device)
     tracker.track_external(*tracked)
     with tracker:
         yield tracker

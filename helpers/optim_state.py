@@ -25,11 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from helpers.device import allocation_bytes
+
 BNB_BLOCK = 256  # values per absmax scale (bitsandbytes Optimizer2State.init_state)
 BNB_MIN_8BIT = 4096  # default min_8bit_size: smaller tensors keep 32-bit state
 BNB_QMAP = 256  # entries of each dynamic quantisation map (one signed, one unsigned)
 SHARED = "(shared)"  # pseudo parameter name for state tensors that several parameters share
-CUDA_ROUNDING = 512  # the caching allocator rounds every CUDA block up to 512 bytes
 
 
 @dataclass(frozen=True)
@@ -67,35 +68,69 @@ def expected_state(
     ``fused=True`` keeps torch's step on the parameter's device; ``impl="transformers"`` with
     ``adafactor`` describes transformers' Adafactor (the Trainer's) instead of torch's.
     """
-    f32, rows, n_8bit = torch.float32, [], 0
     embeddings = embedding_params(model) if embeddings_32bit else set()
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
+    params = [
+        ParamShape(name, tuple(p.shape), p.requires_grad, id(p) in embeddings, p.dtype)
+        for name, p in model.named_parameters()
+    ]
+    first = next(model.parameters(), None)
+    device_type = "cpu" if first is None else first.device.type
+    return state_tensors(params, optimizer, device_type, min_8bit_size, fused, impl)
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """What the state rules need to know of a parameter (``helpers.estimate.ParamInfo`` too)."""
+
+    name: str
+    shape: tuple[int, ...]
+    trainable: bool = True
+    embedding: bool = False  # gets 32-bit state from 8-bit AdamW (the Trainer's override)
+    dtype: torch.dtype = torch.float32
+
+
+def state_tensors(
+    params,
+    optimizer: str,
+    device_type: str = "cpu",
+    min_8bit_size: int = BNB_MIN_8BIT,
+    fused: bool = False,
+    impl: str = "torch",
+) -> list[StateTensor]:
+    """The state tensors of ``optimizer`` for ``params`` (anything with the ParamShape fields).
+
+    The one place the course's per-optimizer state rules live: lesson 06 checks them against
+    state read back from the optimizers, and ``helpers.estimate`` sums them.
+    """
+    f32, rows, n_8bit = torch.float32, [], 0
+    host = not fused and device_type != "cpu"  # torch keeps its step counters on the CPU
+    for p in params:
+        if not getattr(p, "trainable", True):
             continue
-        shape, n = tuple(p.shape), p.numel()
-        host = not fused and p.device.type != "cpu"
+        name, shape, n = p.name, tuple(p.shape), math.prod(p.shape)
+        dtype = getattr(p, "dtype", f32)
         if optimizer == "adafactor" and impl == "transformers":
-            if p.dim() > 1:
-                rows.append(StateTensor(name, "exp_avg_sq_row", shape[:-1], p.dtype))
-                rows.append(StateTensor(name, "exp_avg_sq_col", (*shape[:-2], shape[-1]), p.dtype))
+            if len(shape) > 1:
+                rows.append(StateTensor(name, "exp_avg_sq_row", shape[:-1], dtype))
+                rows.append(StateTensor(name, "exp_avg_sq_col", (*shape[:-2], shape[-1]), dtype))
             else:
-                rows.append(StateTensor(name, "exp_avg_sq", shape, p.dtype))
-            rows.append(StateTensor(name, "RMS", (), p.dtype))
+                rows.append(StateTensor(name, "exp_avg_sq", shape, dtype))
+            rows.append(StateTensor(name, "RMS", (), dtype))
             continue
         if optimizer in ("adamw", "adafactor"):
             rows.append(StateTensor(name, "step", (), f32, host=host))
         if optimizer == "adamw":
-            rows += [StateTensor(name, k, shape, p.dtype) for k in ("exp_avg", "exp_avg_sq")]
+            rows += [StateTensor(name, k, shape, dtype) for k in ("exp_avg", "exp_avg_sq")]
         elif optimizer == "sgd":
-            rows.append(StateTensor(name, "momentum_buffer", shape, p.dtype))
+            rows.append(StateTensor(name, "momentum_buffer", shape, dtype))
         elif optimizer == "adafactor":
-            if p.dim() > 1:
-                rows.append(StateTensor(name, "row_var", (*shape[:-1], 1), p.dtype))
-                rows.append(StateTensor(name, "col_var", (*shape[:-2], 1, shape[-1]), p.dtype))
+            if len(shape) > 1:
+                rows.append(StateTensor(name, "row_var", (*shape[:-1], 1), dtype))
+                rows.append(StateTensor(name, "col_var", (*shape[:-2], 1, shape[-1]), dtype))
             else:
-                rows.append(StateTensor(name, "variance", shape, p.dtype))
+                rows.append(StateTensor(name, "variance", shape, dtype))
         elif optimizer == "adamw8bit":
-            if n < min_8bit_size or id(p) in embeddings:
+            if n < min_8bit_size or getattr(p, "embedding", False):
                 rows += [StateTensor(name, k, shape, f32) for k in ("state1", "state2")]
             else:
                 n_8bit += 1
@@ -141,17 +176,17 @@ def bytes_per_param(rows: list[StateTensor]) -> dict[str, int]:
     return out
 
 
-def tracked_bytes(rows: list[StateTensor], device: torch.device) -> int:
+def tracked_bytes(rows: list[StateTensor], device: torch.device | str) -> int:
     """What the course's tracker reports as ``optimizer_state`` for this state on ``device``.
 
     On the CPU: the plain sum. On an accelerator the tracker counts the device's tensors only
-    (torch's CPU step counters sit in another device's tally), and on CUDA it rounds every
-    tensor up to the allocator's 512-byte blocks, as MemTracker does.
+    (torch's CPU step counters are not device memory), and on CUDA it rounds every tensor up
+    to the allocator's 512-byte blocks, as MemTracker does.
     """
-    if device.type == "cpu":
+    kind = torch.device(device).type
+    if kind == "cpu":
         return sum(r.nbytes for r in rows)
-    unit = CUDA_ROUNDING if device.type == "cuda" else 1
-    return sum(math.ceil(r.nbytes / unit) * unit for r in rows if not r.host)
+    return sum(allocation_bytes(r.nbytes, kind) for r in rows if not r.host)
 
 
 def adamw_step_times(cfg, variants: dict[str, dict], repeats: int = 20) -> dict:
@@ -162,11 +197,11 @@ def adamw_step_times(cfg, variants: dict[str, dict], repeats: int = 20) -> dict:
     difference from the first variant after one step). A variant that cannot be built on this
     device comes back as its error message instead of a time.
     """
+    from helpers.device import resolve
     from helpers.models import build_model, load_config
-    from helpers.scale import default_device
     from helpers.timing import time_fn
 
-    device = torch.device(cfg.device) if cfg.device else default_device()
+    device = resolve(cfg.device)
     model = build_model(load_config(cfg.model), device=device, seed=cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(cfg.seed)
@@ -236,11 +271,11 @@ def _trainer_state(model_name: str, optim: str, steps: int, seed: int) -> dict:
     from transformers.trainer_callback import PrinterCallback
 
     from helpers.data import MarkovTask, markov_dataset
+    from helpers.device import resolve
     from helpers.models import build_model, load_config, task_kind
-    from helpers.scale import default_device
 
     config = load_config(model_name)
-    device = default_device()
+    device = resolve(None)
     model = build_model(config, device=device, seed=seed)
     task = MarkovTask(n_states=min(64, config.vocab_size), seed=seed)
     data = markov_dataset(task, task_kind(config), 4 * steps, 32, seed=seed)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from helpers.device import present
 from helpers.estimate import Estimate, describe_model, estimate
 from helpers.memory import CategoryTracker
 
@@ -145,21 +146,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def device_present(device: torch.device) -> bool:
-    """True when ``device`` exists on this machine (the CPU always does)."""
-    if device.type == "cpu":
-        return True
-    return (
-        torch.accelerator.is_available()
-        and torch.accelerator.current_accelerator().type == device.type
-    )
-
-
 def available_precisions(device: torch.device) -> list[str]:
     """Precisions ``device`` can train in (all of them when it is not here to be asked)."""
     from helpers.hardware import precision_problem
 
-    if not device_present(device):
+    if not present(device):
         return list(PRECISIONS)
     return [p for p in PRECISIONS if precision_problem(p, device) is None]
 
@@ -202,9 +193,9 @@ def candidates(
     checkpointing=(False, True),
 ) -> list[Candidate]:
     """Every configuration of the search space with its estimated peak; cheapest fitting first."""
-    from helpers.scale import default_device
+    from helpers.device import resolve
 
-    dev = torch.device(device) if device is not None else default_device()
+    dev = resolve(device)
     precisions = list(precisions or available_precisions(dev))
     optimizers = list(optimizers or available_optimizers())
     infos = {attn: describe_model(model, attn) for attn in attentions}
@@ -253,7 +244,7 @@ def _run(cfg, budget: int | None, repeats: int) -> dict:
             timing = time_fn(trainee.step, device, warmup=max(1, cfg.warmup), repeats=repeats)
     else:
         timing = time_fn(trainee.step, device, warmup=max(1, cfg.warmup), repeats=repeats)
-    tracker = AccumulatingTracker(budget=budget if device.type != "cuda" else None)
+    tracker = AccumulatingTracker(budget=budget if device.type != "cuda" else None, device=device)
     tracker.track_external(trainee.model, trainee.optimizer)
     with tracker:
         trainee.step()
@@ -325,12 +316,13 @@ def plan(
     ``checkpointing``; see ``candidates``). Raises ValueError when the budget cannot hold the
     weights alone or the effective batch is not positive.
     """
-    from helpers.scale import default_device, get_scale
+    from helpers.device import resolve
+    from helpers.scale import get_scale
 
-    dev = torch.device(device) if device is not None else default_device()
+    dev = resolve(device)
     if effective_batch < 1:
         raise ValueError("the effective batch must be positive")
-    if not device_present(dev):
+    if not present(dev):
         raise ValueError(f"device {dev} is not on this machine: the plan times candidates here")
     seq_len = seq_len or get_scale(device=dev).seq_len
     info = describe_model(model, "eager")

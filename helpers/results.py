@@ -18,6 +18,7 @@ class Record:
     config: dict
     device: dict = field(default_factory=dict)
     n_params: int | None = None
+    n_tensors: int | None = None  # parameter tensors (each one allocation: CUDA rounds each)
     memory: dict | None = None  # view 1: CategoryPeaks as a dict (exact, any device)
     allocator: dict | None = None  # view 2: {"allocated", "reserved"} peaks (accelerators only)
     nvml_used: int | None = None  # view 3: whole-device bytes in use per NVML (NVIDIA only)
@@ -26,7 +27,8 @@ class Record:
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
     flops_per_step: int | None = None
-    mfu: float | None = None
+    mfu: float | None = None  # model FLOPs utilisation (None with checkpointing: see hfu)
+    hfu: float | None = None  # hardware FLOPs utilisation: recomputed FLOPs counted too
     losses: list[float] = field(default_factory=list)
     error: str | None = None  # set when the run failed, e.g. "OutOfMemoryError: ..."
     error_type: str | None = None  # "oom" | "error" | "crash"

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
+from helpers.device import default_device
+
 SCALE_ENV = "COURSE_SCALE"  # tiny | full | auto (default)
-DEVICE_ENV = "COURSE_DEVICE"  # cpu | cuda | cuda:1 | mps ... (default: the accelerator, else cpu)
 
 GiB = 1024**3
 MiB = 1024**2
@@ -44,16 +45,6 @@ FULL = Scale("full", "bert-large", "llama-400m", 4, 512, 2, 5, 200, 16 * GiB)
 # the same "what fits" stories hold: the tiny models' training states are a few MB.
 TINY = Scale("tiny", "bert-tiny", "llama-tiny", 4, 64, 1, 3, 60, 64 * MiB)
 SCALES = {"tiny": TINY, "full": FULL}
-
-
-def default_device() -> torch.device:
-    """The device lessons run on: $COURSE_DEVICE if set, else the accelerator, else the CPU."""
-    name = os.environ.get(DEVICE_ENV, "").strip()
-    if name:
-        return torch.device(name)
-    if torch.accelerator.is_available():
-        return torch.accelerator.current_accelerator()
-    return torch.device("cpu")
 
 
 def get_scale(name: str | None = None, device: torch.device | None = None) -> Scale:

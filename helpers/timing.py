@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from helpers import device as dev
+
 
 def synchronize(device: torch.device) -> None:
     """Wait until the device has finished the queued work (a no-op on the CPU)."""
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
+    dev.synchronize(device)
 
 
 @dataclass
@@ -59,38 +60,91 @@ def train_flops(step: Callable[[], object]) -> int:
     return int(counter.get_total_flops())
 
 
-# Dense peak tensor-core throughput per GPU, TFLOP/s, from NVIDIA's data sheets (no sparsity).
-# bf16/fp16 with fp32 accumulation; "tf32" is the tensor-float-32 rate, "fp32" the plain FMA rate.
-# Longest matching key wins, so "H100 PCIe" is found before "H100".
+# Dense peak throughput per GPU, TFLOP/s, from NVIDIA's data sheets (no sparsity), keyed by the
+# exact name torch reports. bf16/fp16: tensor cores with fp32 accumulation; "tf32": the
+# tensor-float-32 rate; "fp32": the plain FMA rate. "sms": the streaming multiprocessors of the
+# whole GPU, to scale the peak of a MIG slice, which has a share of them.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0},
-    "H100 SXM": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0},
-    "H100 80GB HBM3": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
-    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
-    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
-    "V100": {"fp16": 125.0, "fp32": 15.7},  # SXM2; the PCIe card is about 10% lower
-    "T4": {"fp16": 65.0, "fp32": 8.1},
-}
+    "NVIDIA H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0, "sms": 132},
+    "NVIDIA H100 80GB HBM3": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0,
+                              "sms": 132},
+    "NVIDIA H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0, "sms": 114},
+    "NVIDIA H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0, "sms": 132},
+    "NVIDIA A100-SXM4-40GB": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5,
+                              "sms": 108},
+    "NVIDIA A100-SXM4-80GB": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5,
+                              "sms": 108},
+    "NVIDIA A100-PCIE-40GB": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5,
+                              "sms": 108},
+    "NVIDIA A100 80GB PCIe": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5,
+                              "sms": 108},
+    "NVIDIA A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2, "sms": 72},
+    "NVIDIA L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3, "sms": 58},
+    "NVIDIA L40": {"bf16": 181.0, "fp16": 181.0, "tf32": 90.5, "fp32": 90.5, "sms": 142},
+    "NVIDIA L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6, "sms": 142},
+    "Tesla V100-SXM2-16GB": {"fp16": 125.0, "fp32": 15.7, "sms": 80},
+    "Tesla V100-SXM2-32GB": {"fp16": 125.0, "fp32": 15.7, "sms": 80},
+    "Tesla V100-PCIE-16GB": {"fp16": 112.0, "fp32": 14.0, "sms": 80},
+    "Tesla V100-PCIE-32GB": {"fp16": 112.0, "fp32": 14.0, "sms": 80},
+    "Tesla T4": {"fp16": 65.0, "fp32": 8.1, "sms": 40},
+}  # fmt: skip
 
 
-def peak_tflops(device_name: str, precision: str) -> float | None:
-    """Data-sheet peak TFLOP/s for this GPU and precision; None when either is not listed."""
-    matches = [k for k in PEAK_TFLOPS if k.lower() in device_name.lower()]
-    if not matches:
+def peak_tflops(device_name: str, precision: str, multiprocessors: int | None = None):
+    """Data-sheet peak TFLOP/s for this GPU and precision; None when either is not listed.
+
+    The name must match exactly ("NVIDIA L40" is not "NVIDIA L4"). A MIG slice
+    ("... MIG 1g.10gb") gets its GPU's peak scaled by its share of the SMs, which needs
+    ``multiprocessors``; without it a slice gets None rather than the whole GPU's peak.
+    """
+    base, mig, _ = device_name.partition(" MIG ")
+    table = PEAK_TFLOPS.get(base.strip())
+    if table is None or precision not in table:
         return None
-    table = PEAK_TFLOPS[max(matches, key=len)]
-    return table.get(precision)
+    if not mig:
+        return table[precision]
+    if not multiprocessors:
+        return None
+    return table[precision] * multiprocessors / table["sms"]
 
 
-def mfu(flops_per_step: int, seconds_per_step: float, device_name: str, precision: str):
-    """Model FLOPs utilisation: achieved FLOP/s over the data-sheet peak; None if peak unknown."""
-    peak = peak_tflops(device_name, precision)
+def mfu(
+    flops_per_step: int,
+    seconds_per_step: float,
+    device_name: str,
+    precision: str,
+    multiprocessors: int | None = None,
+):
+    """FLOPs utilisation: achieved FLOP/s over the data-sheet peak; None if the peak is unknown.
+
+    Model FLOPs utilisation (MFU) when ``flops_per_step`` counts the model's own work; with
+    activation checkpointing a counter also sees the recomputed forward, and the same ratio
+    is hardware FLOPs utilisation (HFU): the caller names which it is.
+    """
+    peak = peak_tflops(device_name, precision, multiprocessors)
     if peak is None or seconds_per_step <= 0:
         return None
     return flops_per_step / seconds_per_step / (peak * 1e12)
+
+
+def flops_utilisation(
+    counted_flops: int | None,
+    seconds_per_step: float,
+    device_name: str,
+    precision: str,
+    multiprocessors: int | None = None,
+    recomputes: bool = False,
+) -> tuple[float | None, float | None]:
+    """(MFU, HFU) of a step whose FLOPs a counter saw; None where the peak is not known.
+
+    The counter sees every FLOP the hardware did. Without recomputation that is the model's
+    work, and the ratio is both MFU and HFU; with activation checkpointing it includes the
+    recomputed forward, so it is HFU only and MFU is left out rather than overstated.
+    """
+    if not counted_flops:
+        return None, None
+    util = mfu(counted_flops, seconds_per_step, device_name, precision, multiprocessors)
+    return (None if recomputes else util), util
 
 
 # The three groups of operations in a transformer (seed 004, after Ivanov et al. 2020,

@@ -8,13 +8,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from helpers import device as device_api
 from helpers.data import MarkovTask, markov_batch, random_batch
-from helpers.hardware import hardware_report, nvml_used_bytes, precision_problem
+from helpers.device import nvml_used_bytes, resolve
+from helpers.hardware import hardware_report, precision_problem
 from helpers.memory import CategoryTracker, allocator_peaks, memory_budget, reset_device_peaks
 from helpers.models import build_model, count_params, enable_checkpointing, load_config, task_kind
 from helpers.results import Record
-from helpers.scale import default_device
-from helpers.timing import mfu, synchronize, time_fn, train_flops
+from helpers.timing import flops_utilisation, synchronize, time_fn, train_flops
 
 OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -36,7 +37,7 @@ class RunConfig:
     data: str = "random"  # random | markov (the learnable task)
     warmup: int = 1
     repeats: int = 3
-    device: str | None = None  # None: helpers.scale.default_device()
+    device: str | None = None  # None: helpers.device.default_device()
     budget: int | None = None  # bytes: raise OutOfMemoryError past it (see memory_budget)
     seed: int = 0
     flops: bool = True  # count FLOPs of a step (one extra step) for MFU
@@ -78,17 +79,11 @@ def make_optimizer(name: str, model: torch.nn.Module, lr: float = 1e-3) -> torch
 
 
 def autocast_context(precision: str, device: torch.device):
-    """autocast for bf16/fp16; nothing for fp32/tf32 (tf32 is a matmul setting, see set_tf32)."""
+    """autocast for bf16/fp16; nothing for fp32/tf32 (tf32: ``helpers.device.set_tf32``)."""
     if precision in ("bf16", "fp16"):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         return torch.autocast(device.type, dtype=dtype)
     return contextlib.nullcontext()
-
-
-def set_tf32(enabled: bool) -> None:
-    """Let fp32 matmuls and convolutions use tf32 tensor cores (Ampere and newer)."""
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    torch.backends.cudnn.allow_tf32 = enabled
 
 
 class Trainee:
@@ -96,7 +91,7 @@ class Trainee:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
-        self.device = torch.device(cfg.device) if cfg.device else default_device()
+        self.device = resolve(cfg.device)
         problem = precision_problem(cfg.precision, self.device)
         if problem:
             raise ValueError(problem)
@@ -115,9 +110,11 @@ class Trainee:
             self.model = apply_lora(self.model, cfg.lora_r, cfg.lora_targets)
         self.model.train()
         self.n_params = count_params(self.model)
+        self.n_tensors = len(list(self.model.parameters()))
         self.optimizer = make_optimizer(cfg.optimizer, self.model)
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "fp16" else None
-        set_tf32(cfg.precision == "tf32")
+        if self.device.type == "cuda":  # fp32 matmuls on tf32 tensor cores, or plain fp32
+            device_api.set_tf32(cfg.precision == "tf32")
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.task = MarkovTask(n_states=min(64, self.config.vocab_size), seed=cfg.seed)
         self.losses: list[float] = []
@@ -157,10 +154,10 @@ class Trainee:
 
 def measure(cfg: RunConfig) -> Record:
     """Run ``cfg`` on this machine: per-category bytes of a steady-state step, timing, all views."""
-    device = torch.device(cfg.device) if cfg.device else default_device()
+    device = resolve(cfg.device)
     if cfg.budget and device.type == "cuda":
-        # On a GPU the budget caps the caching allocator for the whole run; on other devices
-        # the tracked step below enforces it.
+        # On a GPU the budget caps the caching allocator for the whole run, model building
+        # included; on other devices the tracked step below enforces it.
         with memory_budget(cfg.budget, device=device):
             return _measure(cfg)
     return _measure(cfg)
@@ -174,28 +171,34 @@ def _measure(cfg: RunConfig) -> Record:
         trainee.step()
     # View 1: exact bytes per category for one steady-state step (the tracker slows the step
     # down, so it is timed separately below).
-    tracker = CategoryTracker(budget=cfg.budget if device.type != "cuda" else None)
+    tracker = CategoryTracker(budget=cfg.budget if device.type != "cuda" else None, device=device)
     tracker.track_external(trainee.model, trainee.optimizer)
     with tracker:
         trainee.step()
     categories = tracker.peaks()
     del tracker
     # Views 2 and 3 and the timing: untracked steps after a reset of the allocator's peaks.
+    # The reset empties the allocator's cache, so one untimed step first takes the working
+    # set back from the driver (cudaMalloc) instead of charging it to a timed step.
     reset_device_peaks(device)
-    timing = time_fn(trainee.step, device, warmup=0, repeats=cfg.repeats)
+    timing = time_fn(trainee.step, device, warmup=1, repeats=cfg.repeats)
     allocator = allocator_peaks(device)
     nvml = nvml_used_bytes(device)
     samples = cfg.batch_size * cfg.grad_accum
     report = hardware_report(device)
     step_flops = train_flops(trainee.step) if cfg.flops else None
     synchronize(device)
-    util = None
-    if step_flops and device.type == "cuda":
-        util = mfu(step_flops, timing.median, report.name, cfg.precision)
+    model_util = hardware_util = None
+    if device.type == "cuda":  # data-sheet peaks exist for NVIDIA GPUs only
+        model_util, hardware_util = flops_utilisation(
+            step_flops, timing.median, report.name, cfg.precision, report.multiprocessors,
+            recomputes=cfg.gradient_checkpointing,
+        )  # fmt: skip
     return Record(
         config=cfg.as_dict(),
         device=report.as_dict(),
         n_params=trainee.n_params,
+        n_tensors=trainee.n_tensors,
         memory=categories.as_dict(),
         allocator=asdict(allocator) if allocator else None,
         nvml_used=nvml,
@@ -204,7 +207,8 @@ def _measure(cfg: RunConfig) -> Record:
         samples_per_s=samples / timing.median,
         tokens_per_s=samples * cfg.seq_len / timing.median,
         flops_per_step=step_flops,
-        mfu=util,
+        mfu=model_util,
+        hfu=hardware_util,
         losses=trainee.losses,
         wall_s=time.perf_counter() - t0,
     )

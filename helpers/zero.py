@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from helpers.device import set_current
 from helpers.memory import CategoryTracker
 
 FP32 = 4
@@ -141,8 +142,7 @@ def _start_deepspeed(device: torch.device):
         # minute or more) when it starts. It speeds up several processes on one host; one
         # process has no peer, so we mark it unavailable and DeepSpeed uses plain gloo.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    if device.type == "cuda":
-        torch.cuda.set_device(device.index or 0)
+    set_current(device)  # DeepSpeed uses the current CUDA device
     return deepspeed
 
 
@@ -304,16 +304,16 @@ def measure_zero(run: ZeroRun):
     buffers; ``resident`` is what the model itself holds between steps.
     """
     from helpers.data import random_batch
-    from helpers.hardware import hardware_report, nvml_used_bytes
+    from helpers.device import nvml_used_bytes, resolve
+    from helpers.hardware import hardware_report
     from helpers.memory import allocator_peaks, memory_budget, reset_device_peaks
     from helpers.models import build_model, count_params, load_config, task_kind
     from helpers.results import Record
-    from helpers.scale import default_device
     from helpers.timing import time_fn
     from helpers.train import make_optimizer
 
     t0 = time.perf_counter()
-    device = torch.device(run.device) if run.device else default_device()
+    device = resolve(run.device)
     deepspeed = _start_deepspeed(device)
     config = load_config(run.model)
     kind = task_kind(config)
@@ -436,10 +436,10 @@ def train_with_trainer(run: ZeroRun, steps: int) -> TrainerRun:
     from transformers import PrinterCallback, Trainer, TrainingArguments
 
     from helpers.data import MarkovTask, markov_dataset
+    from helpers.device import resolve
     from helpers.models import build_model, count_params, load_config, task_kind
-    from helpers.scale import default_device
 
-    device = torch.device(run.device) if run.device else default_device()
+    device = resolve(run.device)
     _start_deepspeed(device)
     config = load_config(run.model)
     model = build_model(config, device="cpu", seed=run.seed)

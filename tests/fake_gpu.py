@@ -1,0 +1,351 @@
+"""Fake NVIDIA cards for a machine without one, faithful to torch 2.13 and nvidia-ml-py.
+
+No GPU is available to develop or test the course, so its CUDA paths are exercised against
+these fakes. They replace only the lowest layer: the C functions torch's CUDA and
+accelerator modules call (``torch._C._cuda_*``, ``torch._C._accelerator_*``), the device
+properties, and NVML's library functions. Everything above runs for real: torch's own
+argument checks (``_get_device_index`` rejecting a device without an index,
+``set_per_process_memory_fraction`` insisting on a float in [0, 1]),
+``is_bf16_supported``'s emulation rule, pynvml's error classes. The behaviour modelled, from
+torch's sources in site-packages and NVIDIA's documentation:
+
+- ``torch.cuda.get_device_properties``: name, total memory (what the driver leaves for
+  processes, a little less than the card's nominal size), capability, SM count, UUID (printed
+  without NVML's ``GPU-``/``MIG-`` prefix);
+- ``torch.cuda.is_bf16_supported()``: True on every CUDA card by default, since a T4 or V100
+  can create bf16 tensors (emulation); with ``including_emulation=False`` only from sm80;
+- the caching allocator: allocated and reserved bytes with peaks, blocks rounded to 512 B,
+  ``empty_cache`` releasing unused reserve, and an out-of-memory error when reserving would
+  pass ``fraction x total``;
+- NVML: physical numbering independent of ``CUDA_VISIBLE_DEVICES`` (plain indices, UUIDs,
+  MIG UUIDs), MIG slices under a parent in MIG mode, per-query errors such as
+  ``NoPermission`` (a MIG parent's memory query as an unprivileged user; every query in the
+  "no-permission" mode), utilisation ``NotSupported`` on a MIG slice, and a missing driver
+  library.
+
+Usage (pytest): ``gpu = FakeGpu(monkeypatch, [PROFILES["t4"]])``; ``gpu.allocate(nbytes)``
+moves the fake allocator, ``gpu.fraction`` shows the cap that was set.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from dataclasses import dataclass, field
+
+import pynvml
+import torch
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A card as torch and NVML describe it (memory in bytes, as reported, not as marketed)."""
+
+    key: str
+    name: str
+    total_memory: int  # torch.cuda.get_device_properties(i).total_memory
+    capability: tuple[int, int]
+    multiprocessors: int
+    uuid: str
+    nvml_total: int  # NVML's memory total (includes what the driver keeps back)
+    mig_of: str | None = None  # key of the parent card for a MIG slice
+
+
+def _uuid(n: int) -> str:
+    return f"{n:08x}-1a2b-4c3d-8e9f-{n:012x}"
+
+
+PROFILES = {
+    p.key: p
+    for p in (
+        Profile("t4", "Tesla T4", 15_828_320_256, (7, 5), 40, _uuid(1), 16 * GiB),
+        Profile("v100", "Tesla V100-SXM2-16GB", 16_935_419_904, (7, 0), 80, _uuid(2), 16 * GiB),
+        Profile("a10g", "NVIDIA A10G", 23_609_475_072, (8, 6), 80, _uuid(3), 24 * GiB),
+        Profile("l4", "NVIDIA L4", 23_580_639_232, (8, 9), 58, _uuid(4), 24 * GiB),
+        Profile("a100-40", "NVIDIA A100-SXM4-40GB", 42_505_273_344, (8, 0), 108, _uuid(5),
+                40 * GiB),
+        Profile("a100-80", "NVIDIA A100-SXM4-80GB", 85_089_058_816, (8, 0), 108, _uuid(6),
+                80 * GiB),
+        Profile("h100", "NVIDIA H100 80GB HBM3", 85_045_870_592, (9, 0), 132, _uuid(7),
+                80 * GiB),
+        Profile("a100-mig", "NVIDIA A100-SXM4-80GB MIG 1g.10gb", 10_468_982_784, (8, 0), 14,
+                _uuid(8), 10 * GiB, mig_of="a100-80"),
+    )
+}  # fmt: skip
+# The cards the full scale must fit (the MIG slice is a card of its own to the course).
+CARDS = ("t4", "v100", "a10g", "l4", "a100-40", "a100-80", "h100", "a100-mig")
+
+
+class _Uuid:
+    """torch prints a CUDA UUID as 8-4-4-4-12 hex digits (the _CUuuid class)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass
+class _Allocator:
+    """The caching allocator's counters for one device."""
+
+    total: int
+    fraction: float = 1.0
+    allocated: int = 0
+    reserved: int = 0
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+
+    def stats(self) -> dict:
+        def stat(current: int, peak: int) -> dict:
+            return {"all": {"current": current, "peak": peak, "allocated": 0, "freed": 0}}
+
+        return {
+            "allocated_bytes": stat(self.allocated, self.peak_allocated),
+            "reserved_bytes": stat(self.reserved, self.peak_reserved),
+            "num_ooms": 0,
+        }
+
+
+@dataclass
+class _NvmlDevice:
+    profile: Profile
+    is_mig: bool = False
+    migs: list = field(default_factory=list)
+    used: int = 0
+
+
+class FakeGpu:
+    """Installs fake CUDA devices (and NVML) for one test; monkeypatch undoes it all."""
+
+    def __init__(
+        self,
+        monkeypatch,
+        cards: list[Profile],
+        visible: str | None = None,
+        nvml: str = "ok",
+        mig_reports_parent_uuid: bool = False,
+        context: int = 400 * 2**20,
+    ) -> None:
+        """``cards``: the physical GPUs (a MIG profile brings its parent, in MIG mode).
+
+        ``visible``: CUDA_VISIBLE_DEVICES as a user would set it (indices or UUIDs, with the
+        ``GPU-``/``MIG-`` prefixes). ``nvml``: "ok", "missing" (no driver library),
+        "no-permission" (memory queries refused) or "absent" (the package is not installed).
+        """
+        self.mp = monkeypatch
+        self.context = context
+        self.physical: list[_NvmlDevice] = []
+        for card in cards:
+            if card.mig_of:
+                parent = _NvmlDevice(PROFILES[card.mig_of])
+                parent.migs.append(_NvmlDevice(card, is_mig=True))
+                self.physical.append(parent)
+            else:
+                self.physical.append(_NvmlDevice(card))
+        self.visible = self._visible(visible)
+        self.alloc = [_Allocator(p.total_memory) for p in self.visible]
+        self.current = 0
+        self.mig_reports_parent_uuid = mig_reports_parent_uuid
+        self.synced: list[int] = []
+        self.events: list[str] = []  # calls in order, for tests that check an order
+        if visible is not None:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        self._install_torch()
+        self._install_nvml(nvml)
+
+    # -- what CUDA sees -------------------------------------------------------------------
+
+    def _visible(self, spec: str | None) -> list[Profile]:
+        every = [(d, d.profile) for d in self.physical]
+        slices = [(m, m.profile) for d in self.physical for m in d.migs]
+        if spec is None:  # CUDA enumerates MIG slices instead of a parent in MIG mode
+            return [p for d, p in every if not d.migs] + [p for _, p in slices]
+        out = []
+        for item in (s.strip() for s in spec.split(",") if s.strip()):
+            if item.isdigit():
+                out.append(every[int(item)][1])
+            else:
+                uuid = item.split("-", 1)[1]
+                out.append(next(p for _, p in every + slices if p.uuid == uuid))
+        return out
+
+    def _props(self, index: int):
+        p = self.visible[index]
+        uuid = p.uuid
+        if p.mig_of and self.mig_reports_parent_uuid:
+            uuid = PROFILES[p.mig_of].uuid
+        return types.SimpleNamespace(
+            name=p.name,
+            total_memory=p.total_memory,
+            major=p.capability[0],
+            minor=p.capability[1],
+            multi_processor_count=p.multiprocessors,
+            uuid=_Uuid(uuid),
+            is_integrated=False,
+        )
+
+    def _install_torch(self) -> None:
+        mp, c = self.mp, torch._C
+        n = len(self.visible)
+        mp.setattr(torch.version, "cuda", "12.8")
+        mp.setattr(torch.cuda, "_initialized", True)
+        mp.setattr(torch.cuda, "_cached_device_count", None)
+        mp.setattr(torch.cuda, "_get_device_properties", self._props, raising=False)
+        # A T4 or V100 can hold bf16 tensors, so torch's emulation probe succeeds there.
+        mp.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)
+        fakes = {
+            "_cuda_getDeviceCount": lambda: n,
+            "_cuda_getDevice": lambda: self.current,
+            "_cuda_setDevice": self._set_device,
+            "_cuda_exchangeDevice": self._exchange,
+            "_cuda_maybeExchangeDevice": self._exchange,
+            "_cuda_synchronize": lambda: self.synced.append(self.current),
+            "_cuda_setMemoryFraction": self._set_fraction,
+            "_cuda_getMemoryFraction": lambda i: self.alloc[i].fraction,
+            "_cuda_memoryStats": lambda i: self.alloc[i].stats(),
+            "_cuda_resetPeakMemoryStats": self._reset_peaks,
+            "_cuda_emptyCache": self._empty_cache,
+            "_accelerator_getAccelerator": lambda: torch.device("cuda"),
+            "_accelerator_getDeviceIndex": lambda: self.current,
+            "_accelerator_setDeviceIndex": self._set_device,
+            "_accelerator_synchronizeDevice": self._sync,
+            "_accelerator_isAllocatorInitialized": lambda: True,
+            "_accelerator_getDeviceStats": lambda i: self.alloc[i].stats(),
+            "_accelerator_resetPeakStats": self._reset_peaks,
+            "_accelerator_emptyCache": self._empty_cache,
+        }
+        for name, fn in fakes.items():
+            mp.setattr(c, name, fn, raising=False)
+
+    def _set_device(self, index: int) -> None:
+        if index >= 0:
+            self.current = index
+
+    def _exchange(self, index: int) -> int:
+        previous = self.current
+        self._set_device(index)
+        return previous
+
+    def _sync(self, index: int) -> None:
+        self.synced.append(index)
+
+    def _set_fraction(self, fraction: float, index: int) -> None:
+        self.events.append(f"fraction {fraction:.6f}")
+        self.alloc[index].fraction = fraction
+
+    def _reset_peaks(self, index: int) -> None:
+        self.events.append("reset peaks")
+        a = self.alloc[index]
+        a.peak_allocated, a.peak_reserved = a.allocated, a.reserved
+
+    def _empty_cache(self) -> None:
+        self.events.append("empty cache")
+        for a in self.alloc:
+            a.reserved = a.allocated
+
+    # -- the allocator, driven by tests ----------------------------------------------------
+
+    def allocate(self, nbytes: int, index: int = 0) -> int:
+        """An allocation as the caching allocator makes it: 512 B blocks, reserve grows."""
+        a = self.alloc[index]
+        size = -(-nbytes // 512) * 512
+        if a.allocated + size > a.reserved:
+            need = a.allocated + size
+            if need > a.fraction * a.total:
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {size / 2**20:.2f} MiB. GPU {index} "
+                    f"has a total capacity of {a.total / GiB:.2f} GiB; this process's limit "
+                    f"is {a.fraction * a.total / GiB:.2f} GiB (set_per_process_memory_fraction)"
+                )
+            a.reserved = need
+        a.allocated += size
+        a.peak_allocated = max(a.peak_allocated, a.allocated)
+        a.peak_reserved = max(a.peak_reserved, a.reserved)
+        return size
+
+    def free(self, nbytes: int, index: int = 0) -> None:
+        """Free a block: allocated falls, the reserve stays cached."""
+        self.alloc[index].allocated -= -(-nbytes // 512) * 512
+
+    @property
+    def fraction(self) -> float:
+        """The memory fraction last set on device 0."""
+        return self.alloc[0].fraction
+
+    # -- NVML -------------------------------------------------------------------------------
+
+    def _install_nvml(self, mode: str) -> None:
+        mp = self.mp
+        if mode == "absent":
+            mp.setitem(__import__("sys").modules, "pynvml", None)
+            return
+
+        def check(handle) -> _NvmlDevice:
+            if not isinstance(handle, _NvmlDevice):
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            return handle
+
+        def init() -> None:
+            if mode == "missing":
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+        def memory(handle):
+            d = check(handle)
+            if mode == "no-permission" or (d.migs and not d.is_mig):
+                # A MIG parent's memory is not the processes' to read; NVML refuses it.
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+            used = d.used + sum(
+                a.reserved + self.context
+                for a, p in zip(self.alloc, self.visible, strict=True)
+                if p is d.profile and a.reserved
+            )
+            return types.SimpleNamespace(total=d.profile.nvml_total, used=used,
+                                         free=d.profile.nvml_total - used)  # fmt: skip
+
+        def uuid(handle) -> str:
+            d = check(handle)
+            return ("MIG-" if d.is_mig else "GPU-") + d.profile.uuid
+
+        def utilisation(handle):
+            d = check(handle)
+            if mode == "no-permission":
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+            if d.is_mig:  # NVML has no utilisation counter for a MIG slice
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            return types.SimpleNamespace(gpu=97, memory=40)
+
+        def mig_handle(parent, j):
+            d = check(parent)
+            if j >= len(d.migs):
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+            return d.migs[j]
+
+        def processes(handle):
+            d = check(handle)
+            return [
+                types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=a.reserved + self.context)
+                for a, p in zip(self.alloc, self.visible, strict=True)
+                if p is d.profile and a.reserved
+            ]
+
+        fakes = {
+            "nvmlInit": init,
+            "nvmlShutdown": lambda: None,
+            "nvmlDeviceGetCount": lambda: len(self.physical),
+            "nvmlDeviceGetHandleByIndex": lambda i: self.physical[i],
+            "nvmlDeviceGetUUID": uuid,
+            "nvmlDeviceGetName": lambda h: check(h).profile.name,
+            "nvmlSystemGetDriverVersion": lambda: "580.95.05",
+            "nvmlDeviceGetMemoryInfo": memory,
+            "nvmlDeviceGetMigMode": lambda h: [int(bool(check(h).migs))] * 2,
+            "nvmlDeviceGetMaxMigDeviceCount": lambda h: 7 if check(h).migs else 0,
+            "nvmlDeviceGetMigDeviceHandleByIndex": mig_handle,
+            "nvmlDeviceGetUtilizationRates": utilisation,
+            "nvmlDeviceGetComputeRunningProcesses": processes,
+        }
+        for name, fn in fakes.items():
+            mp.setattr(pynvml, name, fn)
