@@ -1,9 +1,10 @@
 # Efficient training of transformer models on a single GPU: commands.
 #
-#   make test      lint, the helpers' tests, and every notebook executed with nbval
+#   make test      lint, the helpers' tests, the preflight, and every notebook executed with nbval
 #   make course    execute every notebook in order, keep the executed copies, print the summary
 #                  table and, last, the capstone's ablation next to the seed's
 #   make lab       start JupyterLab on the notebooks
+#   make preflight try every hardware feature the lessons use on this machine (hosts: run it first)
 #   make lint      ruff check + ruff format --check
 #   make format    strip notebook outputs, ruff check --fix, ruff format
 #   make clean     remove build outputs (make distclean also removes .venv)
@@ -69,10 +70,10 @@ EXECUTED_DIR := build/executed
 
 NBVAL_ARGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider
 
-.PHONY: help install check-env test lint test-unit test-notebooks course lab format clean distclean
+.PHONY: help install check-env test lint test-unit preflight test-notebooks course lab format clean distclean
 
 help:
-	@sed -n '3,8p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '3,10p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 	@echo
 	@echo "Interpreter: $(PYTHON)$(if $(filter check-env,$(ENV_READY)), (yours; nothing is installed), (.venv, created on first use))"
 
@@ -98,12 +99,12 @@ check-env:
 # ---------------------------------------------------------------------------------------------
 # Tests: lint, helpers' tests, notebooks. All three run; the target fails if any failed.
 
-test lint test-unit test-notebooks: export COURSE_RESULTS := $(TEST_RESULTS)
+test lint test-unit preflight test-notebooks: export COURSE_RESULTS := $(TEST_RESULTS)
 
 test:
 	@rm -f $(TEST_RESULTS)
 	@mkdir -p build
-	@$(MAKE) --no-print-directory -k lint test-unit test-notebooks
+	@$(MAKE) --no-print-directory -k lint test-unit preflight test-notebooks
 
 lint: $(ENV_READY)
 	@if $(PYTHON) -c 'import ruff' 2>/dev/null; then \
@@ -120,6 +121,9 @@ lint: $(ENV_READY)
 test-unit: $(ENV_READY)
 	@mkdir -p build
 	$(PYTHON) -m pytest tests
+
+preflight: $(ENV_READY)
+	$(PYTHON) -m helpers preflight
 
 test-notebooks: $(ENV_READY)
 ifeq ($(NOTEBOOKS),)

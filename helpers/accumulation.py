@@ -17,13 +17,17 @@ FP32_EPS = torch.finfo(torch.float32).eps  # 2**-23: the spacing of fp32 numbers
 
 
 def flat_grad(model: torch.nn.Module) -> torch.Tensor:
-    """All parameter gradients of ``model`` as one fp32 vector (zeros where a grad is None)."""
+    """All parameter gradients of ``model`` as one fp32 vector (zeros where a grad is None).
+
+    The vector lives on the CPU: lesson 03 keeps several to compare, which at the full scale
+    (1.3 GB each for bert-large) would crowd a 16 GB GPU that its experiments need.
+    """
     parts = [
         (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float()
         for p in model.parameters()
         if p.requires_grad
     ]
-    return torch.cat(parts)
+    return torch.cat(parts).cpu()
 
 
 def reorder_tolerance(reference: torch.Tensor, n_terms: int) -> float:

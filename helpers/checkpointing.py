@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 from helpers.memory import CategoryTracker
-from helpers.models import enable_checkpointing  # noqa: F401  (re-exported for the lesson)
+from helpers.models import enable_checkpointing
 
 
 class Block(nn.Module):
@@ -131,17 +131,18 @@ class PairedTiming:
 def paired_step_times(cfg, repeats: int = 20) -> PairedTiming:
     """Time ``cfg`` without and with checkpointing in alternating steps, in this process.
 
-    Both trainees are built from the same seed. Steps alternate in ABBA order so that a slow
-    drift of the machine (other processes, clock changes) weighs on both alike; the per-pair
-    ratio then cancels most of it.
+    One model and one optimizer take every step; checkpointing is switched on and off
+    between steps (transformers' ``activation_checkpointing_enable`` / ``_disable``), so the
+    two variants share weights and memory instead of needing two models on the device.
+    Steps alternate in ABBA order so that a slow drift of the machine (other processes,
+    clock changes) weighs on both alike; the per-pair ratio then cancels most of it.
     """
+    from helpers.models import disable_checkpointing
     from helpers.timing import synchronize
     from helpers.train import Trainee, autocast_context
 
-    plain = Trainee(replace(cfg, gradient_checkpointing=False))
-    ckpt = Trainee(replace(cfg, gradient_checkpointing=False))
-    enable_checkpointing(ckpt.model)
-    device = plain.device
+    trainee = Trainee(replace(cfg, gradient_checkpointing=False))
+    model, device = trainee.model, trainee.device
 
     def timed(fn) -> float:
         synchronize(device)
@@ -150,20 +151,25 @@ def paired_step_times(cfg, repeats: int = 20) -> PairedTiming:
         synchronize(device)
         return time.perf_counter() - t0
 
+    def step(checkpointed: bool) -> float:
+        (enable_checkpointing if checkpointed else disable_checkpointing)(model)
+        return timed(trainee.step)
+
     def forward() -> None:
-        batch = plain.batch()
+        batch = trainee.batch()
         with autocast_context(cfg.precision, device):
-            plain.model(**batch).loss.detach()
+            model(**batch).loss.detach()
 
     for _ in range(max(1, cfg.warmup)):
-        plain.step()
-        ckpt.step()
+        step(False)
+        step(True)
     out = PairedTiming()
     for i in range(repeats):
-        order = (plain, ckpt) if i % 2 == 0 else (ckpt, plain)
-        times = {id(t): timed(t.step) for t in order}
-        out.plain.append(times[id(plain)])
-        out.checkpointed.append(times[id(ckpt)])
+        order = (False, True) if i % 2 == 0 else (True, False)
+        times = {checkpointed: step(checkpointed) for checkpointed in order}
+        out.plain.append(times[False])
+        out.checkpointed.append(times[True])
+        disable_checkpointing(model)
         out.forward.append(timed(forward))
     return out
 

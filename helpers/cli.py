@@ -1,4 +1,4 @@
-"""``python -m helpers measure|estimate|plan|summary|hardware|doctor``: the course from a shell."""
+"""``python -m helpers measure|estimate|plan|fit|summary|...``: the course from a shell."""
 
 from __future__ import annotations
 
@@ -242,6 +242,39 @@ def _hardware(args) -> int:
     return 0
 
 
+def _preflight(args) -> int:
+    """Each feature the lessons need, tried in a fresh process; the table; exit 1 if one fails."""
+    from helpers.isolate import start
+    from helpers.preflight import format_result, run_preflight
+
+    start()
+    result = run_preflight(args.device)
+    print(format_result(result))
+    return 1 if result.failed else 0
+
+
+def _fit(args) -> int:
+    """The full scale fitted to this machine's GPU, per lesson; or the reference cards' table."""
+    from helpers.device import default_device, gpu_info, is_cuda
+    from helpers.fullscale import fit_markdown, fit_scale, fit_table
+
+    device = default_device()
+    if args.reference or not is_cuda(device):
+        if not args.reference:
+            print(f"no CUDA GPU here ({device}); the full scale on the course's reference cards:\n")
+        print(fit_markdown(), end="")
+        return 0
+    card = gpu_info(device)
+    scale = fit_scale(card)
+    print(scale.describe(device))
+    if scale.name != "full":
+        return 0
+    for row in fit_table(scale, card):
+        detail = "; ".join(filter(None, [row.why, *row.skips]))
+        print(f"{row.lesson}  {row.status:<12} up to {row.need / 2**30:5.1f} GiB  {detail}")
+    return 0
+
+
 def _doctor(args) -> int:
     """Check that the course's libraries import; say what is missing and how to get it."""
     import importlib
@@ -316,6 +349,14 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("capstone", help="print lesson 14's ablation table next to the seed's")
     c.add_argument("--results", default=None, help="results store (default: $COURSE_RESULTS)")
     c.set_defaults(func=_capstone)
+
+    f = sub.add_parser("fit", help="what the full scale runs on this GPU, lesson by lesson")
+    f.add_argument("--reference", action="store_true", help="the table for the reference cards")
+    f.set_defaults(func=_fit)
+
+    pre = sub.add_parser("preflight", help="try every hardware feature the lessons use, here")
+    pre.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the accelerator)")
+    pre.set_defaults(func=_preflight)
 
     sub.add_parser("hardware", help="print the hardware report").set_defaults(func=_hardware)
     sub.add_parser("doctor", help="check the course's packages").set_defaults(func=_doctor)

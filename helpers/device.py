@@ -26,6 +26,9 @@ ALLOCATION_UNIT = 512  # bytes: the CUDA caching allocator rounds every block up
 # A CUDA context is typically 300-600 MiB (driver state, kernels loaded lazily). Where this
 # process's own share cannot be read from NVML, the budget cap assumes this much.
 ASSUMED_CONTEXT = 512 * 2**20
+# What the caching allocator reserves beyond the live tensors at a step's peak (fragmentation,
+# cached blocks, cuBLAS/cuDNN workspaces), as a share of the tensors: kept free when planning.
+RESERVE_MARGIN = 0.10
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,6 +179,18 @@ def empty_cache(device: torch.device) -> None:
     """Give the allocator's cached, unused blocks back to the driver (accelerators only)."""
     if device.type != "cpu":
         torch.accelerator.empty_cache()
+
+
+def release_cached(device: torch.device) -> None:
+    """Collect dead tensors and hand the allocator's cached blocks back to the driver.
+
+    A notebook calls it after freeing its own GPU tensors, before experiments that run in
+    other processes: memory cached here is not free for them.
+    """
+    import gc
+
+    gc.collect()
+    empty_cache(device)
 
 
 def reset_peak_stats(device: torch.device) -> None:

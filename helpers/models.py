@@ -84,3 +84,11 @@ def enable_checkpointing(model: torch.nn.Module) -> None:
     if enable is None:
         enable = model.gradient_checkpointing_enable
     enable({"use_reentrant": False})
+
+
+def disable_checkpointing(model: torch.nn.Module) -> None:
+    """Turn transformers' activation checkpointing off again (``enable_checkpointing``'s undo)."""
+    disable = getattr(model, "activation_checkpointing_disable", None)
+    if disable is None:
+        disable = model.gradient_checkpointing_disable
+    disable()

@@ -17,13 +17,14 @@ prints them):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from helpers.device import present
+from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, is_cuda, present
 from helpers.estimate import Estimate, describe_model, estimate
 from helpers.memory import CategoryTracker
 
@@ -142,6 +143,19 @@ class Plan:
     reason: str
 
 
+def usable_budget(budget: int, device: torch.device) -> int:
+    """How high an estimated peak may go under ``budget`` on ``device``.
+
+    On a CPU the tracker enforces the budget on exactly the tensors the estimator predicts.
+    On CUDA the cap (``helpers.device.cap_allocator``) holds the CUDA context too, and limits
+    what the allocator *reserves*: live tensors plus fragmentation, cached blocks and library
+    workspaces. So the context is taken off, and the peak may use 1 / 1.1 of the rest.
+    """
+    if not is_cuda(device):
+        return budget
+    return int((budget - ASSUMED_CONTEXT) / (1 + RESERVE_MARGIN))
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -192,10 +206,14 @@ def candidates(
     attentions=ATTENTION,
     checkpointing=(False, True),
 ) -> list[Candidate]:
-    """Every configuration of the search space with its estimated peak; cheapest fitting first."""
+    """Every configuration of the search space with its estimated peak; cheapest fitting first.
+
+    A candidate fits when its estimated peak is within ``usable_budget(budget, device)``.
+    """
     from helpers.device import resolve
 
     dev = resolve(device)
+    limit = usable_budget(budget, dev)
     precisions = list(precisions or available_precisions(dev))
     optimizers = list(optimizers or available_optimizers())
     infos = {attn: describe_model(model, attn) for attn in attentions}
@@ -206,7 +224,7 @@ def candidates(
     for micro, gc, prec, opt, attn in space:
         accum = effective_batch // micro
         est = estimate(infos[attn], micro, seq_len, prec, opt, gc, attn, accum, device=dev)
-        c = Candidate(micro, accum, gc, prec, opt, attn, est.peak, est.peak <= budget, 0.0, est)
+        c = Candidate(micro, accum, gc, prec, opt, attn, est.peak, est.peak <= limit, 0.0, est)
         out.append(replace(c, cost=predicted_cost(c, seq_len, dev.type)))
     rank = {name: i for i, name in enumerate(optimizers)}  # ties: the order asked for
     out.sort(key=lambda c: (not c.fits, c.cost, rank[c.optimizer], c.estimated_peak))
@@ -232,22 +250,25 @@ def shortlist(cands: list[Candidate], k: int = 6) -> list[Candidate]:
 
 
 def _run(cfg, budget: int | None, repeats: int) -> dict:
-    """Time ``repeats`` steps of ``cfg`` after warm-up, then track one step under ``budget``."""
+    """Time ``repeats`` steps of ``cfg`` after warm-up, then track one step under ``budget``.
+
+    On CUDA the whole run is inside the allocator's cap: building the model, the timed steps
+    and the tracked one; elsewhere the tracked step enforces the budget.
+    """
+    from helpers.device import resolve
     from helpers.memory import memory_budget
     from helpers.timing import time_fn
     from helpers.train import Trainee
 
-    trainee = Trainee(cfg)
-    device = trainee.device
-    if device.type == "cuda" and budget:
-        with memory_budget(budget, device=device):
-            timing = time_fn(trainee.step, device, warmup=max(1, cfg.warmup), repeats=repeats)
-    else:
+    device = resolve(cfg.device)
+    capped = bool(budget) and is_cuda(device)
+    with memory_budget(budget, device=device) if capped else contextlib.nullcontext():
+        trainee = Trainee(cfg)
         timing = time_fn(trainee.step, device, warmup=max(1, cfg.warmup), repeats=repeats)
-    tracker = AccumulatingTracker(budget=budget if device.type != "cuda" else None, device=device)
-    tracker.track_external(trainee.model, trainee.optimizer)
-    with tracker:
-        trainee.step()
+        tracker = AccumulatingTracker(budget=None if capped else budget, device=device)
+        tracker.track_external(trainee.model, trainee.optimizer)
+        with tracker:
+            trainee.step()
     return {"step_time": timing.median, "peak": tracker.peaks().peak}
 
 

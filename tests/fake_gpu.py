@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 import pynvml
 import torch
 
+from helpers.fullscale import REFERENCE_CARDS
+
 GiB = 2**30
 
 
@@ -57,23 +59,25 @@ def _uuid(n: int) -> str:
     return f"{n:08x}-1a2b-4c3d-8e9f-{n:012x}"
 
 
+def _profile(key: str, uuid: int, nvml_gib: int, mig_of: str | None = None) -> Profile:
+    card = REFERENCE_CARDS[key]  # the numbers torch reports for these cards
+    return Profile(key, card.name, card.total_memory, card.capability, card.multiprocessors,
+                   _uuid(uuid), nvml_gib * GiB, mig_of)  # fmt: skip
+
+
 PROFILES = {
     p.key: p
     for p in (
-        Profile("t4", "Tesla T4", 15_828_320_256, (7, 5), 40, _uuid(1), 16 * GiB),
-        Profile("v100", "Tesla V100-SXM2-16GB", 16_935_419_904, (7, 0), 80, _uuid(2), 16 * GiB),
-        Profile("a10g", "NVIDIA A10G", 23_609_475_072, (8, 6), 80, _uuid(3), 24 * GiB),
-        Profile("l4", "NVIDIA L4", 23_580_639_232, (8, 9), 58, _uuid(4), 24 * GiB),
-        Profile("a100-40", "NVIDIA A100-SXM4-40GB", 42_505_273_344, (8, 0), 108, _uuid(5),
-                40 * GiB),
-        Profile("a100-80", "NVIDIA A100-SXM4-80GB", 85_089_058_816, (8, 0), 108, _uuid(6),
-                80 * GiB),
-        Profile("h100", "NVIDIA H100 80GB HBM3", 85_045_870_592, (9, 0), 132, _uuid(7),
-                80 * GiB),
-        Profile("a100-mig", "NVIDIA A100-SXM4-80GB MIG 1g.10gb", 10_468_982_784, (8, 0), 14,
-                _uuid(8), 10 * GiB, mig_of="a100-80"),
+        _profile("t4", 1, 16),
+        _profile("v100", 2, 16),
+        _profile("a10g", 3, 24),
+        _profile("l4", 4, 24),
+        _profile("a100-40", 5, 40),
+        _profile("a100-80", 6, 80),
+        _profile("h100", 7, 80),
+        _profile("a100-mig", 8, 10, mig_of="a100-80"),
     )
-}  # fmt: skip
+}
 # The cards the full scale must fit (the MIG slice is a card of its own to the course).
 CARDS = ("t4", "v100", "a10g", "l4", "a100-40", "a100-80", "h100", "a100-mig")
 

@@ -13,6 +13,7 @@ from helpers.data import MarkovTask, markov_dataset
 from helpers.hardware import hardware_report, precision_problem
 from helpers.scale import FULL, TINY, get_scale
 from helpers.timing import mfu, peak_tflops, time_fn
+from tests.fake_gpu import PROFILES, FakeGpu
 
 
 def test_time_fn_takes_the_median_after_warmup():
@@ -59,7 +60,10 @@ def test_scale_auto_and_override(monkeypatch):
     assert get_scale() is FULL
     monkeypatch.setenv("COURSE_SCALE", "auto")
     assert get_scale(device=torch.device("cpu")) is TINY
-    assert get_scale(device=torch.device("cuda")) is FULL
+    FakeGpu(monkeypatch, [PROFILES["h100"]])  # on a GPU: the full scale, fitted to the card
+    fitted = get_scale(device=torch.device("cuda"))
+    assert fitted.name == "full" and "H100" in fitted.card
+    assert (fitted.budget, fitted.batch_size, fitted.seq_len) == (FULL.budget, 4, 512)
     with pytest.raises(ValueError, match="unknown scale"):
         get_scale("huge")
 

@@ -82,3 +82,30 @@ def test_paired_timing_and_quiet_measure():
     ckpt = measure_quietly(RunConfig(**{**cfg.as_dict(), "gradient_checkpointing": True}))
     assert ckpt.memory["params"] == plain.memory["params"]
     assert ckpt.memory["activations"] < plain.memory["activations"]
+
+
+def test_checkpointing_can_be_switched_off_and_on_between_steps():
+    """paired_step_times toggles one model: each switch must change what the step runs."""
+    from helpers.data import random_batch
+    from helpers.models import build_model, disable_checkpointing, enable_checkpointing, load_config
+
+    config = load_config("bert-tiny")
+    model = build_model(config)
+    model.train()
+    attention = model.bert.encoder.layer[0].attention  # inside the checkpointed layer
+    calls = []
+    attention.register_forward_pre_hook(lambda *_: calls.append(1))
+    batch = random_batch("classify", 2, 16, config.vocab_size)
+
+    def forward_calls() -> int:
+        calls.clear()
+        model(**batch).loss.backward()
+        return len(calls)
+
+    assert forward_calls() == 1
+    enable_checkpointing(model)
+    assert forward_calls() == 2  # the layer runs again in the backward pass
+    disable_checkpointing(model)
+    assert forward_calls() == 1
+    enable_checkpointing(model)
+    assert forward_calls() == 2

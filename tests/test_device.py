@@ -379,3 +379,46 @@ def test_only_helpers_device_touches_cuda_accelerator_or_nvml():
         for match in pattern.findall(_code_tokens(text))
     ]
     assert not offenders, "\n".join(offenders)
+
+
+# -- 10. the planner on CUDA: a margin for the allocator, measured inside the cap ---------------
+
+
+def test_planner_leaves_room_for_the_context_and_the_allocator_on_cuda(monkeypatch):
+    from helpers.plan import candidates, usable_budget
+
+    FakeGpu(monkeypatch, [PROFILES["a100-80"]])
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    budget = 16 * GiB
+    assert usable_budget(budget, cpu) == budget
+    assert usable_budget(budget, cuda) == int((budget - dev.ASSUMED_CONTEXT) / 1.1)
+    # A budget just above one candidate's estimated peak: it fits on a CPU, not on CUDA.
+    space = {"precisions": ["fp32"], "optimizers": ["adamw"], "attentions": ["eager"]}
+    probe = candidates("bert-large", 64 * GiB, 4, 512, cuda, checkpointing=(False,), **space)
+    peak = next(c for c in probe if c.micro_batch == 4).estimated_peak
+    on_cuda = candidates("bert-large", int(1.02 * peak), 4, 512, cuda, **space)
+    assert not next(c for c in on_cuda if c.micro_batch == 4 and not c.gradient_checkpointing).fits
+
+
+def test_planner_builds_and_measures_inside_the_cap(monkeypatch):
+    from helpers import train
+    from helpers.plan import _run
+
+    gpu = FakeGpu(monkeypatch, [PROFILES["l4"]])
+    seen = []
+
+    class Trainee:  # stands in for helpers.train.Trainee: records the cap at each moment
+        def __init__(self, cfg):
+            seen.append(("build", gpu.fraction))
+            self.device = dev.resolve(cfg.device)
+            self.model = torch.nn.Linear(2, 2)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+        def step(self):
+            seen.append(("step", gpu.fraction))
+
+    monkeypatch.setattr(train, "Trainee", Trainee)
+    _run(train.RunConfig(device="cuda", warmup=1), 8 * GiB, repeats=2)
+    assert [what for what, _ in seen] == ["build"] + ["step"] * 4  # warm-up, 2 timed, tracked
+    assert all(fraction < 0.4 for _, fraction in seen), seen  # 8 GiB of a 22 GiB card
+    assert gpu.fraction == 1.0  # and lifted afterwards

@@ -1,0 +1,538 @@
+"""The full scale on the card at hand: what each lesson runs there, and whether it fits.
+
+At the full scale the lessons run the guides' experiment (bert-large, sequence length 512,
+batch 4, fp32 AdamW) and variations of it: batch sweeps, a Llama decoder, long sequences for
+attention, an oversized model for ZeRO. Whether that fits depends on the card: a T4 has
+14.7 GiB in all, an H100 79 GiB. This module
+
+- lists the experiments of every lesson at a scale (``lesson_experiments``), each with the
+  device memory the estimator's CUDA branch predicts for it and what else is on the card
+  meanwhile (the notebook's own CUDA context and the tensors it keeps);
+- fits the scale to a card (``fit_scale``): the budget, the largest batch of the sweeps and
+  lesson 10's long sequence are the largest that fit, and a card too small for the guides'
+  experiment gets the tiny scale, with the reason;
+- tabulates per lesson what fits, what was adapted and what the card skips (``fit_table``,
+  printed by ``python -m helpers fit`` and in README's hardware notes).
+
+What is on the card during an experiment in a fresh process: two CUDA contexts (the
+notebook's and the experiment's), what the notebook holds, and the experiment's peak plus 10 %
+for what the caching allocator reserves beyond live tensors (``RESERVE_MARGIN``). A budgeted
+experiment is capped: the cap (its context included) plus the notebook's share must fit.
+tests/test_fullscale.py walks every experiment through every card profile of tests/fake_gpu.py.
+This list mirrors the notebooks: a lesson that adds an experiment at the full scale adds it here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from functools import cache
+
+from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, GpuInfo
+from helpers.scale import FULL, TINY, GiB, Scale
+
+BUDGET_STEP = 512 * 2**20  # a fitted budget is a whole number of half-GiBs
+# Cards the course is checked against, as torch reports them (memory is what the driver leaves
+# to processes, a little under the nominal size). tests/fake_gpu.py fakes these cards.
+REFERENCE_CARDS = {
+    "t4": GpuInfo("Tesla T4", 15_828_320_256, (7, 5), 40, ""),
+    "v100": GpuInfo("Tesla V100-SXM2-16GB", 16_935_419_904, (7, 0), 80, ""),
+    "a10g": GpuInfo("NVIDIA A10G", 23_609_475_072, (8, 6), 80, ""),
+    "l4": GpuInfo("NVIDIA L4", 23_580_639_232, (8, 9), 58, ""),
+    "a100-40": GpuInfo("NVIDIA A100-SXM4-40GB", 42_505_273_344, (8, 0), 108, ""),
+    "a100-80": GpuInfo("NVIDIA A100-SXM4-80GB", 85_089_058_816, (8, 0), 108, ""),
+    "h100": GpuInfo("NVIDIA H100 80GB HBM3", 85_045_870_592, (9, 0), 132, ""),
+    "a100-mig": GpuInfo("NVIDIA A100-SXM4-80GB MIG 1g.10gb", 10_468_982_784, (8, 0), 14, ""),
+}
+LONG_SEQS = (2048, 1024, 512)  # lesson 10's whole-model sequence lengths, longest first
+LESSONS = tuple(f"{i:02d}" for i in range(15))
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One thing a lesson runs on the device at the full scale, and what it needs there."""
+
+    lesson: str
+    label: str
+    peak: int  # device bytes of the experiment itself (the estimator's CUDA branch)
+    where: str = "child"  # "child": a fresh process (its own CUDA context); "kernel": the notebook
+    held: int = 0  # device bytes the notebook keeps meanwhile
+    budget: int | None = None  # run under a budget cap of this many bytes
+    may_fail: bool = False  # an out-of-memory here is the lesson's point, or handled and reported
+    flops: float = 0.0  # floating-point operations of the whole experiment (for time estimates)
+    depends: tuple[str, ...] = ()  # the fitted sizes it uses: "max_batch", "long_seq", "budget"
+
+    def need(self) -> int:
+        """Device bytes in use on the card at the experiment's peak."""
+        contexts = ASSUMED_CONTEXT * (2 if self.where == "child" else 1)
+        if self.budget is not None:  # the cap covers the experiment's own context
+            return contexts - ASSUMED_CONTEXT + self.held + self.budget
+        return contexts + self.held + int(self.peak * (1 + RESERVE_MARGIN))
+
+    def runs_under_budget(self) -> bool:
+        """A budgeted experiment's own peak is within its cap (context and margin included)."""
+        if self.budget is None:
+            return True
+        return ASSUMED_CONTEXT + int(self.peak * (1 + RESERVE_MARGIN)) <= self.budget
+
+    def fits(self, total_memory: int) -> bool:
+        """It runs to the end on a card of ``total_memory`` bytes."""
+        return self.need() <= total_memory and self.runs_under_budget()
+
+    def acceptable(self, total_memory: int) -> bool:
+        """It fits, or it is an out-of-memory the lesson expects or reports and goes past.
+
+        A capped experiment must keep its cap within the card even when it is meant to fail.
+        """
+        if self.budget is not None and self.need() > total_memory:
+            return False
+        return self.may_fail or self.fits(total_memory)
+
+
+# --------------------------------------------------------------------------------------------
+# The experiments
+
+
+def _info(model, attn: str = "eager"):
+    """The estimator's model description, built once per model (dict configs by content)."""
+    key = json.dumps(model, sort_keys=True) if isinstance(model, dict) else model
+    return _described(key, attn)
+
+
+@cache
+def _described(key: str, attn: str):
+    from helpers.estimate import describe_model
+
+    return describe_model(json.loads(key) if key.startswith("{") else key, attn)
+
+
+def _estimate(model, b: int, s: int, precision="fp32", optimizer="adamw", gc=False, attn="eager",
+              ga=1):  # fmt: skip
+    from helpers.estimate import estimate
+
+    return estimate(_info(model, attn), b, s, precision, optimizer, gc, attn, ga, device="cuda")
+
+
+def _flops(model, tokens: int, steps: int, gc: bool = False) -> float:
+    """Rough training FLOPs: 6 per parameter per token (2 forward, 4 backward), x4/3 recomputing."""
+    return 6.0 * _info(model).n_params * tokens * steps * (4 / 3 if gc else 1.0)
+
+
+@dataclass
+class _Lesson:
+    """Builds one lesson's experiments from the scale and the card."""
+
+    scale: Scale
+    card: GpuInfo
+    lesson: str = ""
+    out: list[Experiment] = field(default_factory=list)
+
+    @property
+    def half(self) -> str:
+        return "bf16" if self.card.capability >= (8, 0) else "fp16"
+
+    def run(self, label, model, b, s, precision="fp32", optimizer="adamw", gc=False,
+            attn="eager", ga=1, steps=None, **kw):  # fmt: skip
+        """A training run (``helpers.train.measure`` and the like)."""
+        est = _estimate(model, b, s, precision, optimizer, gc, attn, ga)
+        steps = steps or self.scale.warmup + self.scale.repeats + 3  # + tracked, untimed, FLOPs
+        flops = _flops(model, b * s * ga, steps, gc)
+        self.out.append(Experiment(self.lesson, label, est.peak, flops=flops, **kw))
+
+    def forward_backward(self, label, model, b, s, **kw):
+        """Forward and backward without an optimizer (gradients, no optimizer state)."""
+        est = _estimate(model, b, s, optimizer="sgd")
+        peak = est.peak - est.optimizer_state
+        flops = _flops(model, b * s, self.scale.warmup + self.scale.repeats + 2)
+        self.out.append(Experiment(self.lesson, label, peak, flops=flops, **kw))
+
+    def tensors(self, label, nbytes, **kw):
+        """Plain tensors (matmul operands, attention inputs, copies of gradients)."""
+        self.out.append(Experiment(self.lesson, label, int(nbytes), **kw))
+
+    def weights(self, model) -> int:
+        return _estimate(model, 1, 8, optimizer="sgd").params
+
+
+def lesson_experiments(scale: Scale, card: GpuInfo) -> list[Experiment]:
+    """Every experiment the lessons run on the device at ``scale`` (fitted to ``card``)."""
+    out = []
+    for lesson in LESSONS:
+        x = _Lesson(scale, card, lesson)
+        globals()[f"_lesson_{lesson}"](x)
+        out += x.out
+    return out
+
+
+def _lesson_00(x: _Lesson) -> None:
+    s = x.scale
+    x.tensors("4096 x 4096 fp32 matmul", 3 * 4096**2 * 4, where="kernel")
+    x.tensors("1 GiB tensor (allocator views)", GiB, where="kernel", held=2 * 4096**2 * 4)
+    x.run("encoder step", s.encoder, s.batch_size, s.seq_len)
+    peak = _estimate(s.encoder, s.batch_size, s.seq_len).peak
+    x.run("half budget", s.encoder, s.batch_size, s.seq_len, budget=peak // 2, may_fail=True)
+
+
+def _lesson_01(x: _Lesson) -> None:
+    s, mb = x.scale, x.scale.max_batch
+    x.run("encoder fp32", s.encoder, s.batch_size, s.seq_len)
+    x.run("decoder fp32", s.decoder, s.batch_size, s.seq_len)
+    x.run(f"encoder {x.half}", s.encoder, s.batch_size, s.seq_len, precision=x.half)
+    for b in (mb // 4, mb // 2, mb):
+        x.run(f"activations b{b}", s.encoder, b, s.seq_len, steps=4, depends=("max_batch",))
+    for q in (s.seq_len // 4, s.seq_len // 2, s.seq_len):
+        x.run(f"activations s{q}", s.encoder, s.batch_size, q, steps=4)
+    x.forward_backward("forward vs backward", s.encoder, mb, s.seq_len, depends=("max_batch",))
+
+
+def _lesson_02(x: _Lesson) -> None:
+    s, mb = x.scale, x.scale.max_batch
+    b = 1
+    while b <= mb:
+        x.run(f"sweep b{b}", s.encoder, b, s.seq_len, depends=("max_batch",))
+        b *= 2
+    for b in (mb, 2 * mb):  # the search starts at the sweep's top; twice the answer must not fit
+        x.run(f"search b{b}", s.encoder, b, s.seq_len, budget=s.budget, may_fail=True,
+              steps=s.warmup + 3, depends=("budget",))  # fmt: skip
+    x.run("Trainer auto_find_batch_size", s.encoder, mb, s.seq_len, budget=s.budget,
+          may_fail=True, steps=2, depends=("budget",))  # fmt: skip
+    x.tensors("matmuls 4088-4104 (16-bit)", 17 * 2 * 4104**2 * 2)
+    x.tensors("a budget's error, in the notebook", 2 * GiB, where="kernel", budget=2 * GiB,
+              may_fail=True)  # fmt: skip
+
+
+def _lesson_03(x: _Lesson) -> None:
+    s, b, mb = x.scale, x.scale.batch_size, x.scale.max_batch
+    enc_weights = x.weights(s.encoder)
+    # Two copies of the encoder (same weights, two ways to accumulate); gradients go to the CPU.
+    x.forward_backward("1 x b vs b x 1 gradients", s.encoder, b, s.seq_len, where="kernel",
+                       held=enc_weights)  # fmt: skip
+    x.forward_backward("token-normalised decoder gradients", s.decoder, b, s.seq_len,
+                       where="kernel")  # fmt: skip
+    x.run("Trainer, decoder 1 x b", s.decoder, 1, s.seq_len, ga=b, where="kernel", steps=1)
+    x.run("Trainer, encoder 1 x b", s.encoder, 1, s.seq_len, ga=b, where="kernel", steps=1)
+    m = mb
+    while m >= 1:
+        x.run(f"effective {mb}: {m} x {mb // m}", s.encoder, m, s.seq_len, ga=mb // m,
+              depends=("max_batch",))  # fmt: skip
+        m //= 2
+    x.run(f"{b} x 16", s.encoder, b, s.seq_len, ga=16)
+    x.run(f"1 x {16 * b}", s.encoder, 1, s.seq_len, ga=16 * b)
+
+
+def _lesson_04(x: _Lesson) -> None:
+    s = x.scale
+    grads = x.weights(s.encoder)  # one model's gradients, kept for the comparison
+    x.forward_backward("identical gradients", s.encoder, s.batch_size, s.seq_len,
+                       where="kernel", held=2 * grads)  # fmt: skip
+    x.run("plain", s.encoder, s.batch_size, s.seq_len)
+    x.run("checkpointing", s.encoder, s.batch_size, s.seq_len, gc=True)
+    x.run("paired steps (one model, checkpointing toggled)", s.encoder, s.batch_size,
+          s.seq_len, steps=62)  # fmt: skip
+    x.run("Trainer", s.encoder, s.batch_size, s.seq_len, where="kernel", steps=4)
+    x.run("Trainer + checkpointing", s.encoder, s.batch_size, s.seq_len, gc=True,
+          where="kernel", steps=4)  # fmt: skip
+
+
+def _lesson_05(x: _Lesson) -> None:
+    s = x.scale
+    short = s.seq_len // 8
+    for b in (2 * s.batch_size, 4 * s.batch_size, 8 * s.batch_size, 16 * s.batch_size):
+        for p in ("fp32", x.half):
+            x.run(f"memory table b{b} {p}", s.encoder, b, short, precision=p, steps=4)
+    for p in ("fp32", "tf32", "fp16", "bf16"):
+        if p == "bf16" and x.half != "bf16" or p == "tf32" and x.card.capability < (8, 0):
+            continue
+        x.run(f"learnable task, {p}", s.decoder, s.batch_size, s.seq_len, precision=p,
+              steps=s.train_steps * 2 // 3)  # fmt: skip
+    if x.card.capability >= (8, 0):  # two fp32 and three fp64 8192 x 8192 matrices
+        x.tensors("tf32 matmul vs fp64", (3 * 4 + 3 * 8) * 8192**2, where="kernel")
+    for p in ("fp16", "bf16", "fp32"):
+        if p == "bf16" and x.half != "bf16":
+            continue
+        x.run(f"TrainingArguments({p})", s.decoder, s.batch_size, s.seq_len, precision=p,
+              where="kernel", steps=1)  # fmt: skip
+
+
+def _lesson_06(x: _Lesson) -> None:
+    s, b, n = x.scale, x.scale.batch_size, x.scale.seq_len
+    weights = x.weights(s.encoder)
+    states = sum(
+        _estimate(s.encoder, 1, 8, optimizer=o).optimizer_state
+        for o in ("adamw", "sgd", "adafactor", "adamw8bit", "adamw8bit")
+    )
+    fb = _estimate(s.encoder, b, n, optimizer="sgd")
+    # The backward has freed the activations before the optimizers create their state.
+    kept = max(fb.peak - fb.optimizer_state, 2 * weights + states)  # weights, grads, states
+    x.tensors("every optimizer's state, read back", kept, where="kernel")
+    x.run("vanilla AdamW", s.encoder, b, n, held=weights)
+    x.run("SGD", s.encoder, b, n, optimizer="sgd", held=weights)
+    for opt in ("adafactor", "adamw8bit"):
+        x.run(f"ga4 + gc + 16-bit + {opt}", s.encoder, max(1, b // 4), n, precision=x.half,
+              optimizer=opt, gc=True, ga=4, held=weights)  # fmt: skip
+    x.run("Trainer optimizers (3 in turn)", s.encoder, 4, 32, where="kernel", steps=2,
+          held=weights)  # fmt: skip
+    x.tensors("AdamW step variants", 7 * weights, held=weights)  # copies, grads, state, scratch
+    x.forward_backward("Adafactor vs AdamW steps", s.encoder, b, n, where="kernel")
+    for opt in ("adamw", "adafactor", "adamw8bit"):
+        x.run(f"learnable task, {opt}", s.decoder, b, n, optimizer=opt, steps=s.train_steps,
+              held=weights)  # fmt: skip
+
+
+def _lesson_07(x: _Lesson) -> None:
+    s = x.scale
+    for who in ("Accelerate loop", "Trainer"):
+        x.run(who, s.encoder, 1, s.seq_len, precision=x.half, optimizer="adamw8bit", gc=True,
+              ga=4, steps=4)  # fmt: skip
+
+
+def _lesson_08(x: _Lesson) -> None:
+    from helpers.zero import layer_counts, oversized_config
+
+    s = x.scale
+    big = oversized_config(s.decoder, s.budget)
+    est = _estimate(big, s.batch_size, s.seq_len)
+    layer = 4 * layer_counts(big)[1]
+    x.run("the oversized model without ZeRO", big, s.batch_size, s.seq_len, may_fail=True,
+          depends=("budget",))  # fmt: skip
+    x.run("the oversized model under the budget", big, s.batch_size, s.seq_len, budget=s.budget,
+          may_fail=True, depends=("budget",))  # fmt: skip
+    # ZeRO-2 with optimizer offload keeps the fp32 weights, activations and gradient buckets.
+    x.tensors("ZeRO-2 + offload", est.params + est.activations + 2 * layer, may_fail=True,
+              depends=("budget",))  # fmt: skip
+    # ZeRO-3 with parameter offload: a few layers' weights and gradients, and the activations.
+    x.tensors("ZeRO-3 + offload, budget", est.activations + 8 * layer, budget=s.budget,
+              depends=("budget",))  # fmt: skip
+    x.tensors("Trainer + ZeRO-3", est.activations + 8 * layer, depends=("budget",))
+
+
+def _lesson_09(x: _Lesson) -> None:
+    from helpers.moe import pair_for
+
+    s = x.scale
+    for name in pair_for(s.name):
+        x.run(f"{name}", name, s.batch_size, s.seq_len)
+
+
+def _lesson_10(x: _Lesson) -> None:
+    s = x.scale
+    d = _info(s.decoder).config
+    heads = d["num_attention_heads"]
+    head_dim = d.get("head_dim") or d["hidden_size"] // heads
+    longest = 8 * head_dim * 8
+    # Attention written by hand keeps a few (heads, s, s) matrices and their gradients.
+    x.tensors(f"attention layer at s={longest}", 6 * heads * longest**2 * 2)
+    x.tensors("eager and sdpa models side by side", 2 * x.weights(s.decoder), where="kernel")
+    precision = "bf16" if x.card.capability >= (8, 0) else "fp32"
+    for attn in ("eager", "sdpa"):
+        x.run(f"decoder {attn} s{s.long_seq}", s.decoder, max(1, s.batch_size // 2), s.long_seq,
+              precision=precision, attn=attn, depends=("long_seq",))  # fmt: skip
+
+
+def _lesson_11(x: _Lesson) -> None:
+    s = x.scale
+    for who in ("starved loop, 0-2 workers", "Trainer, 0 and 1 workers"):
+        x.run(who, s.encoder, s.batch_size, s.seq_len, steps=20)
+
+
+def _lesson_12(x: _Lesson) -> None:
+    s = x.scale
+    fb = _estimate(s.encoder, s.batch_size, s.seq_len, optimizer="sgd")
+    x.tensors("captured encoder forward", fb.params + fb.activations, where="kernel")
+    rows, h = s.batch_size * s.seq_len, _info(s.encoder).config["hidden_size"]
+    x.tensors("MLP block step, compiled", 40 * rows * h * 4)
+    x.tensors("fusion sizes", 6 * 2**26 * 4)
+    x.run("Trainer(torch_compile)", s.encoder, s.batch_size, s.seq_len, where="kernel", steps=3)
+
+
+def _lesson_13(x: _Lesson) -> None:
+    s = x.scale
+    x.tensors("LoRA by hand and peft", 2 * x.weights(s.decoder), where="kernel")
+    x.run("full fine-tuning", s.decoder, s.batch_size, s.seq_len)
+    for label in ("LoRA, attention", "LoRA, all linear"):  # bounded by full fine-tuning
+        x.run(label, s.decoder, s.batch_size, s.seq_len)
+
+
+def _lesson_14(x: _Lesson) -> None:
+    from helpers.capstone import SEED_RECIPES
+
+    s = x.scale
+    b = s.batch_size
+    for r in SEED_RECIPES:
+        batch = max(1, b // r.grad_accum) if r.grad_accum > 1 else b
+        x.run(r.label, s.encoder, batch, s.seq_len, precision=x.half if r.half else "fp32",
+              optimizer=r.optimizer, gc=r.checkpointing, ga=b // batch, budget=s.budget,
+              depends=("budget",))  # fmt: skip
+    x.run("planner, scale's budget (3 timed)", s.encoder, b, s.seq_len, budget=s.budget,
+          may_fail=True, depends=("budget",))  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Fitting the scale to a card
+
+
+def _floor(nbytes: int, step: int = BUDGET_STEP) -> int:
+    return nbytes // step * step
+
+
+def _child_need(peak: int) -> int:
+    """Card bytes for an experiment in a fresh process: two contexts and the allocator margin."""
+    return 2 * ASSUMED_CONTEXT + int(peak * (1 + RESERVE_MARGIN))
+
+
+def fit_scale(card: GpuInfo, forced: bool = False) -> Scale:
+    """The full scale fitted to ``card`` (the tiny scale on a card too small for it).
+
+    The budget is 16 GiB where the card has room for it beside the notebook's CUDA context,
+    else the card less that room; the batch sweeps go to twice the batch only where batch
+    8 of bert-large fits; lesson 10's long sequence is the longest that fits. A card that
+    cannot run the guides' experiment itself gets the tiny scale unless ``forced``.
+    """
+    total, gib = card.total_memory, card.total_memory / GiB
+    name = f"{card.name} ({gib:.1f} GiB)"
+    budget = min(FULL.budget, _floor(total - 2 * ASSUMED_CONTEXT))
+    notes = []
+    if budget < FULL.budget:
+        notes.append(
+            f"budget {budget / GiB:.1f} GiB: the card less room for the notebook's CUDA "
+            f"context (the guides' 16 GB does not fit a {gib:.1f} GiB card)"
+        )
+    base = _estimate(FULL.encoder, FULL.batch_size, FULL.seq_len).peak
+    if _child_need(base) > total:
+        reason = (
+            f"{name} is too small for the guides' experiment (bert-large, batch 4 x 512, fp32 "
+            f"AdamW: {_child_need(base) / GiB:.1f} GiB with the CUDA contexts)"
+        )
+        if not forced:
+            return replace(TINY, card=name, notes=(f"tiny scale on the GPU: {reason}",))
+        notes.append(f"COURSE_SCALE=full forced: {reason}; expect out-of-memory records")
+    double = 2 * FULL.batch_size
+    needs = [_estimate(m, double, FULL.seq_len).peak for m in (FULL.encoder, FULL.decoder)]
+    max_batch = double if _child_need(max(needs)) <= total else FULL.batch_size
+    if max_batch < double:
+        notes.append(
+            f"batch sweeps stop at {max_batch}: batch {double} of {FULL.encoder} needs "
+            f"{_child_need(max(needs)) / GiB:.1f} GiB"
+        )
+    precision = "bf16" if card.capability >= (8, 0) else "fp32"
+    b10 = max(1, FULL.batch_size // 2)
+    fitting = [
+        q for q in LONG_SEQS
+        if _child_need(_estimate(FULL.decoder, b10, q, precision).peak) <= total
+    ]  # fmt: skip
+    long_seq = fitting[0] if fitting else LONG_SEQS[-1]
+    if long_seq < LONG_SEQS[0]:
+        need = _child_need(_estimate(FULL.decoder, b10, LONG_SEQS[0], precision).peak)
+        notes.append(
+            f"lesson 10 compares attention at {long_seq} tokens: {LONG_SEQS[0]} with eager "
+            f"attention needs {need / GiB:.1f} GiB"
+        )
+    return replace(
+        FULL, budget=budget, max_batch=max_batch, long_seq=long_seq, card=name, notes=tuple(notes)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Per lesson: fits / adapted / skipped
+
+
+@dataclass(frozen=True)
+class LessonFit:
+    """One lesson on one card."""
+
+    lesson: str
+    status: str  # "fits", "adapted", "skips part", "does not fit"
+    why: str  # what was adapted or skipped, and why
+    need: int  # the most the lesson has on the card at one moment (bytes)
+    skips: tuple[str, ...] = ()  # parts left out on this card, each with its reason
+
+
+def _skips(lesson: str, card: GpuInfo) -> list[str]:
+    """Parts a lesson skips on this card for lack of a hardware feature, not of memory."""
+    old = card.capability < (8, 0)
+    skips = {
+        "01": ["bf16 (fp16 used)"] if old else [],
+        "05": ["bf16 and tf32 (compute capability < 8.0)"] if old else [],
+        "07": ["bf16 (fp16 used)"] if old else [],
+        "10": ["flash attention and bf16 (compute capability < 8.0)"] if old else [],
+        "11": ["GPU utilisation (NVML has none for a MIG slice)"] if card.mig else [],
+        "14": ["bf16 (fp16 used)"] if old else [],
+    }
+    return skips.get(lesson, [])
+
+
+def fit_table(scale: Scale, card: GpuInfo) -> list[LessonFit]:
+    """Per lesson on ``card`` at ``scale``: whether everything fits, what was adapted, skipped."""
+    experiments = lesson_experiments(scale, card)
+    adapted = {
+        "max_batch": scale.max_batch < FULL.max_batch,
+        "long_seq": scale.long_seq < FULL.long_seq,
+        "budget": scale.budget < FULL.budget,
+    }
+    rows = []
+    for lesson in LESSONS:
+        mine = [x for x in experiments if x.lesson == lesson]
+        total = card.total_memory
+        need = max(x.need() for x in mine if x.fits(total) or x.budget is not None)
+        failing = [x.label for x in mine if not x.acceptable(total)]
+        changed = sorted({d for x in mine for d in x.depends if adapted[d]})
+        skips = _skips(lesson, card) + [
+            f"{x.label} (out of memory on this card; the lesson reports it and goes on)"
+            for x in mine
+            if x.budget is None and x.may_fail and not x.fits(total)
+        ]
+        if failing:
+            status, why = "does not fit", ", ".join(failing)
+        elif changed:
+            what = {"max_batch": f"sweeps to batch {scale.max_batch}",
+                    "long_seq": f"long sequence {scale.long_seq}",
+                    "budget": f"budget {scale.budget / GiB:.1f} GiB"}  # fmt: skip
+            status, why = "adapted", "; ".join([*(what[c] for c in changed), *skips])
+        elif skips:
+            status, why = "skips part", "; ".join(skips)
+        else:
+            status, why = "fits", ""
+        rows.append(LessonFit(lesson, status, why, need, tuple(skips)))
+    return rows
+
+
+def lesson_flops(scale: Scale, card: GpuInfo) -> dict[str, float]:
+    """Rough training FLOPs per lesson at ``scale`` (for a time estimate: FLOPs / throughput)."""
+    out = dict.fromkeys(LESSONS, 0.0)
+    for x in lesson_experiments(scale, card):
+        out[x.lesson] += x.flops
+    return out
+
+
+def fit_markdown(cards: dict[str, GpuInfo] | None = None) -> str:
+    """Markdown: the lesson x card table (fits / adapted / skips part), then each card's why."""
+    cards = cards or REFERENCE_CARDS
+    scales = {key: fit_scale(card) for key, card in cards.items()}
+    tables = {
+        key: {r.lesson: r for r in fit_table(scales[key], card)}
+        for key, card in cards.items()
+        if scales[key].name == "full"
+    }
+
+    def short(card: GpuInfo) -> str:
+        return card.name.removeprefix("NVIDIA ").removeprefix("Tesla ")
+
+    heads = [f"{short(c)} ({c.total_memory / GiB:.1f} GiB)" for c in cards.values()]
+    lines = ["| lesson | " + " | ".join(heads) + " |", "|---" * (len(cards) + 1) + "|"]
+    for lesson in LESSONS:
+        cells = [tables[k][lesson].status if k in tables else "tiny scale" for k in cards]
+        lines.append(f"| {lesson} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for key, card in cards.items():
+        scale = scales[key]
+        why = list(scale.notes)
+        if key in tables:
+            why += [f"{r.lesson} skips {skip}" for r in tables[key].values() for skip in r.skips]
+            sizes = (
+                f"budget {scale.budget / GiB:.1f} GiB, sweeps to batch {scale.max_batch}, "
+                f"lesson 10 at {scale.long_seq} tokens"
+            )
+        else:
+            sizes = "tiny scale"
+        lines.append(f"- **{short(card)}** ({sizes}): " + ("; ".join(why) or "as designed") + ".")
+    return "\n".join(lines) + "\n"

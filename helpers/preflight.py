@@ -1,0 +1,342 @@
+"""``python -m helpers preflight``: every hardware feature the lessons use, tried on this machine.
+
+For a workshop host, before the workshop, on the room's hardware. Each feature is exercised
+in a fresh process (a CUDA error or a crash in one cannot take the others down) and a table
+says whether it works, was skipped (and why) or fails (with its one-line error), next to the
+lessons that need it. It ends with a rough time per lesson at the full scale on this device:
+the training FLOPs of each lesson's experiments (``helpers.fullscale``) over the training
+throughput measured here, plus a few seconds per experiment for starting its process.
+
+The checks are split in two: ``why_skip`` decides from the device's properties alone whether
+a check can apply (tested on fake cards), and the check itself runs real work on the device.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from helpers import device as dev
+
+STARTUP_S = 5.0  # per experiment: a fresh process, the model built, the first steps' extra cost
+
+
+@dataclass
+class Check:
+    """One feature tried on this machine."""
+
+    name: str
+    lessons: tuple[str, ...]
+    status: str = "works"  # "works" | "skipped" | "fails"
+    detail: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class PreflightResult:
+    """All checks, and the rough full-scale time per lesson on this device."""
+
+    device: str
+    name: str
+    scale: str  # what the lessons will run at here (Scale.describe)
+    checks: list[Check] = field(default_factory=list)
+    flops_per_s: float | None = None  # measured training throughput (fp32)
+    lesson_minutes: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[Check]:
+        """Checks that fail (a skip is not a failure: it is what the lessons will also skip)."""
+        return [c for c in self.checks if c.status == "fails"]
+
+
+# --------------------------------------------------------------------------------------------
+# When a check cannot apply: decided from the device alone
+
+
+def why_skip(check: str, device: torch.device) -> str | None:
+    """Why ``check`` does not apply on ``device`` (what the lessons skip there too), or None."""
+    cuda = dev.is_cuda(device)
+    if check in ("allocator view", "NVML view", "CUDA context") and not cuda:
+        return f"{device.type}: no CUDA GPU (views 2 and 3 and the context exist on NVIDIA GPUs)"
+    if check == "bf16" and cuda and not dev.bf16_native(device):
+        cap = dev.gpu_info(device).capability
+        return f"compute capability {cap[0]}.{cap[1]} only emulates bf16: the lessons use fp16"
+    if check == "tf32" and not dev.tf32_capable(device):
+        return "tf32 tensor cores need an NVIDIA GPU of compute capability 8.0 or newer"
+    if check == "pinned memory" and not cuda:
+        return f"{device.type}: nothing to pin memory for (no accelerator to copy to)"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The checks (each runs in a fresh process; returns a one-line detail or raises)
+
+
+def _budget_cap(device: str) -> str:
+    from helpers.memory import memory_budget
+
+    d = dev.resolve(device)
+    budget = 2 * 2**30 if dev.is_cuda(d) else 64 * 2**20
+    with memory_budget(budget, device=d) as capped:
+        torch.empty(budget // 16, device=d)  # a quarter of the budget: fits
+        try:
+            torch.empty(budget // 2, device=d)  # twice the budget, in fp32 numbers
+        except torch.OutOfMemoryError:
+            pass
+        else:
+            raise RuntimeError("an allocation twice the budget did not raise OutOfMemoryError")
+    if dev.is_cuda(d):
+        return (
+            f"allocator capped at {capped.allocator_limit / 2**30:.2f} GiB of a 2 GiB budget "
+            f"(context {capped.context / 2**20:.0f} MiB, {capped.context_source})"
+        )
+    return "the tracker raised OutOfMemoryError past a 64 MiB budget"
+
+
+def _allocator_view(device: str) -> str:
+    d = dev.resolve(device)
+    x = torch.empty(256 * 2**20 // 4, device=d)
+    stats = dev.allocator_stats(d)
+    del x
+    if stats.allocated < 256 * 2**20 or stats.reserved < stats.allocated:
+        raise RuntimeError(f"allocator stats off: {stats}")
+    return f"allocated {stats.allocated / 2**20:.0f} MiB, reserved {stats.reserved / 2**20:.0f} MiB"
+
+
+def _nvml_view(device: str) -> str:
+    d = dev.resolve(device)
+    summary = dev.nvml_summary(d)
+    if summary.startswith("NVML view unavailable"):
+        return f"skipped: {summary.removeprefix('NVML view unavailable: ')}"
+    torch.empty(1, device=d)
+    used = dev.nvml_used_bytes(d)
+    return f"{summary}; {used / 2**20:.0f} MiB in use" if used else summary
+
+
+def _cuda_context(device: str) -> str:
+    context = dev.cuda_context_bytes()
+    if context is None:
+        return "skipped: NVML cannot read device memory here, so the context cannot be measured"
+    return f"{context / 2**20:.0f} MiB before the first tensor"
+
+
+def _train_steps(device: str, precision: str, optimizer: str = "adamw", steps: int = 3) -> float:
+    from helpers.train import RunConfig, Trainee
+
+    trainee = Trainee(RunConfig(precision=precision, optimizer=optimizer, device=device))
+    trainee.step()
+    start = time.perf_counter()
+    losses = [trainee.step() for _ in range(steps)]
+    dev.synchronize(trainee.device)
+    if not all(torch.isfinite(torch.tensor(losses))):
+        raise RuntimeError(f"non-finite losses {losses}")
+    return (time.perf_counter() - start) / steps
+
+
+def _fp16(device: str) -> str:
+    seconds = _train_steps(device, "fp16")
+    return f"bert-tiny steps with autocast fp16 and GradScaler, {1e3 * seconds:.1f} ms each"
+
+
+def _bf16(device: str) -> str:
+    d = dev.resolve(device)
+    note = ""
+    if d.type == "cpu":
+        from helpers.precision import cpu_16bit_instructions
+
+        flags = cpu_16bit_instructions()
+        if flags and not flags["bf16"]:
+            note = " (this CPU has no bf16 instructions: slower than fp32)"
+    return (
+        f"bert-tiny steps in bf16 autocast, {1e3 * _train_steps(device, 'bf16'):.1f} ms each{note}"
+    )
+
+
+def _tf32(device: str) -> str:
+    from helpers.timing import time_fn
+
+    d = dev.resolve(device)
+    a, b = torch.randn(4096, 4096, device=d), torch.randn(4096, 4096, device=d)
+    times = {}
+    for mode in (False, True):
+        dev.set_tf32(mode)
+        times[mode] = time_fn(lambda: a @ b, d, warmup=2, repeats=5).median
+    dev.set_tf32(None)
+    return f"fp32 matmul {times[False] / times[True]:.1f}x faster with tf32"
+
+
+def _sdpa(device: str, backend: str) -> str:
+    from helpers.attention import attention_dtype, backend_problem
+
+    d = dev.resolve(device)
+    dtype = attention_dtype(d)
+    problem = backend_problem(backend, d, dtype)
+    if problem:
+        return f"skipped: refused for {str(dtype).removeprefix('torch.')}: {problem}"
+    return f"forward and backward in {str(dtype).removeprefix('torch.')}"
+
+
+def _adamw8bit(device: str) -> str:
+    import importlib.util
+    import logging
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "skipped: bitsandbytes is not installed (pip install bitsandbytes)"
+    # Its CPU backend warns about an optional 4-bit kernel package the course does not use.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    seconds = _train_steps(device, "fp32", "adamw8bit")
+    return f"bert-tiny steps with 8-bit AdamW, {1e3 * seconds:.1f} ms each"
+
+
+def _deepspeed(device: str) -> str:
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return "skipped: deepspeed is not installed (pip install deepspeed)"
+    from helpers.zero import ZeroRun, measure_zero
+
+    rec = measure_zero(ZeroRun(model="llama-tiny", stage=3, warmup=1, repeats=1, device=device))
+    return f"ZeRO-3 with parameter and optimizer offload to the CPU: {rec.step_time:.2f} s per step"
+
+
+def _compile(device: str) -> str:
+    from helpers.compiling import reset_dynamo
+
+    d = dev.resolve(device)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    net = net.to(d)
+    x = torch.randn(32, 64, device=d)
+    start = time.perf_counter()
+    compiled = torch.compile(net, backend="inductor")
+    out = compiled(x)
+    dev.synchronize(d)
+    first = time.perf_counter() - start
+    if not torch.allclose(out, net(x), rtol=1e-4, atol=1e-5):
+        raise RuntimeError("the compiled module's output differs from eager")
+    reset_dynamo()
+    return f"inductor compiled an MLP in {first:.1f} s; output allclose to eager"
+
+
+def _dataloader(device: str, pin: bool = False) -> str:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    d = dev.resolve(device)
+    data = TensorDataset(torch.randn(64, 16), torch.randint(0, 2, (64,)))
+    loader = DataLoader(data, batch_size=8, num_workers=2, pin_memory=pin)
+    batches = [(x.to(d, non_blocking=pin), y) for x, y in loader]
+    pinned = pin and all(x.is_pinned() for x, _ in DataLoader(data, batch_size=8, pin_memory=True))
+    return f"{len(batches)} batches from 2 worker processes" + (", pinned" if pinned else "")
+
+
+def _throughput(device: str) -> dict:
+    """Training FLOP/s of the full scale's encoder here (fp32, counted FLOPs / measured time)."""
+    from helpers.scale import FULL
+    from helpers.timing import time_fn, train_flops
+    from helpers.train import RunConfig, Trainee
+
+    d = dev.resolve(device)
+    batch, seq = (FULL.batch_size, FULL.seq_len) if dev.is_cuda(d) else (1, 64)
+    trainee = Trainee(RunConfig(model=FULL.encoder, batch_size=batch, seq_len=seq, device=device))
+    flops = train_flops(trainee.step)
+    timing = time_fn(trainee.step, d, warmup=1, repeats=3)
+    return {"flops_per_s": flops / timing.median, "detail": f"{FULL.encoder} b{batch} s{seq}"}
+
+
+# The checks, the lessons that need them, and the function that tries each.
+CHECKS: list[tuple[str, tuple[str, ...], object, dict]] = [
+    ("budget cap", ("00", "02", "08", "14"), _budget_cap, {}),
+    ("allocator view", ("00", "02", "08", "10", "14"), _allocator_view, {}),
+    ("NVML view", ("00", "08", "11", "14"), _nvml_view, {}),
+    ("CUDA context", ("00",), _cuda_context, {}),
+    ("fp16 + GradScaler", ("01", "05", "07", "14"), _fp16, {}),
+    ("bf16", ("01", "05", "07", "10", "14"), _bf16, {}),
+    ("tf32", ("05",), _tf32, {}),
+    *(
+        (f"SDPA {b}", ("10",), _sdpa, {"backend": f"sdpa-{b}"})
+        for b in ("math", "efficient", "flash", "cudnn")
+    ),
+    ("8-bit AdamW", ("06", "07", "14"), _adamw8bit, {}),
+    ("DeepSpeed CPU offload", ("08",), _deepspeed, {}),
+    ("torch.compile", ("12",), _compile, {}),
+    ("DataLoader workers", ("11",), _dataloader, {}),
+    ("pinned memory", ("11",), _dataloader, {"pin": True}),
+]
+NEEDS_OWN_PROCESSES = {"DataLoader workers", "pinned memory", "DeepSpeed CPU offload"}
+
+
+def run_preflight(
+    device: str | torch.device | None = None, timeout: float = 300
+) -> PreflightResult:
+    """Every check in a fresh process, then the rough full-scale time per lesson."""
+    from helpers.fullscale import fit_scale, lesson_experiments
+    from helpers.hardware import hardware_report
+    from helpers.isolate import call_isolated
+    from helpers.scale import FULL, get_scale
+
+    d = dev.resolve(device)
+    report = hardware_report(d)
+    result = PreflightResult(str(d), report.name, get_scale(device=d).describe(d))
+    for name, lessons, fn, kwargs in CHECKS:
+        check = Check(name, lessons)
+        skip = why_skip(name, d)
+        if skip:
+            check.status, check.detail = "skipped", skip
+        else:
+            start = time.perf_counter()
+            out = call_isolated(fn, str(d), timeout=timeout, daemon=name not in NEEDS_OWN_PROCESSES,
+                                **kwargs)  # fmt: skip
+            check.seconds = time.perf_counter() - start
+            if out.error:
+                check.status, check.detail = "fails", out.error
+            elif out.value.startswith("skipped: "):
+                check.status, check.detail = "skipped", out.value.removeprefix("skipped: ")
+            else:
+                check.detail = out.value
+        result.checks.append(check)
+    out = call_isolated(_throughput, str(d), timeout=timeout)
+    if out.error:
+        result.checks.append(Check("training throughput", (), "fails", out.error))
+        return result
+    result.flops_per_s = out.value["flops_per_s"]
+    speed = f"{out.value['detail']}: {result.flops_per_s / 1e12:.3g} TFLOP/s fp32"
+    result.checks.append(Check("training throughput", ("all",), "works", speed))
+    if dev.is_cuda(d):
+        scale, card = fit_scale(dev.gpu_info(d)), dev.gpu_info(d)
+    else:  # what the full scale would take on this CPU
+        scale, card = FULL, dev.GpuInfo(report.name, 0, (0, 0), 0, "")
+    experiments = lesson_experiments(scale, card) if scale.name == "full" else []
+    for x in experiments:
+        seconds = x.flops / result.flops_per_s + STARTUP_S
+        result.lesson_minutes[x.lesson] = result.lesson_minutes.get(x.lesson, 0.0) + seconds / 60
+    return result
+
+
+def format_result(result: PreflightResult) -> str:
+    """The table a host reads: one line per check, then the time per lesson."""
+    width = max(len(c.name) for c in result.checks)
+    lines = [f"preflight on {result.device} ({result.name})", result.scale, ""]
+    lines.append(f"{'feature':<{width}}  {'status':<8} {'lessons':<15} detail")
+    for c in result.checks:
+        lessons = " ".join(c.lessons)
+        lines.append(f"{c.name:<{width}}  {c.status:<8} {lessons:<15} {c.detail}")
+    if result.lesson_minutes:
+        lines += ["", "rough time per lesson at the full scale here (training FLOPs / the "
+                  "throughput above, + 5 s per experiment):"]  # fmt: skip
+        lines.append(
+            "  " + ", ".join(f"{k} {_minutes(v)}" for k, v in result.lesson_minutes.items())
+        )
+        lines.append(f"  all lessons: about {_minutes(sum(result.lesson_minutes.values()))}")
+    failed = result.failed
+    lines.append("")
+    lines.append(
+        f"{len(failed)} of {len(result.checks)} checks fail: see above"
+        if failed
+        else "no check fails (skipped ones are skipped by the lessons too, as said)"
+    )
+    return "\n".join(lines)
+
+
+def _minutes(value: float) -> str:
+    return f"{value:.1f} min" if value < 90 else f"{value / 60:.1f} h"
