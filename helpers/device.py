@@ -252,6 +252,7 @@ def cap_allocator(device: torch.device, budget: int) -> Cap:
     """
     dev = resolve(device)
     total = gpu_info(dev).total_memory
+    torch.cuda.synchronize(dev)  # creates this process's context if it has none, for NVML to see
     context, source = process_context_bytes(dev)
     limit = min(budget, total) - context
     if limit <= 0:

@@ -243,8 +243,8 @@ def _lesson_05(x: _Lesson) -> None:
     for p in ("fp32", "tf32", "fp16", "bf16"):
         if p == "bf16" and x.half != "bf16" or p == "tf32" and x.card.capability < (8, 0):
             continue
-        x.run(f"learnable task, {p}", s.decoder, s.batch_size, s.seq_len, precision=p,
-              steps=s.train_steps * 2 // 3)  # fmt: skip
+        x.run(f"learnable task, {p}", s.decoder, s.max_batch, s.seq_len, precision=p,
+              steps=s.train_steps * 2 // 3, depends=("max_batch",))  # fmt: skip
     if x.card.capability >= (8, 0):  # two fp32 and three fp64 8192 x 8192 matrices
         x.tensors("tf32 matmul vs fp64", (3 * 4 + 3 * 8) * 8192**2, where="kernel")
     for p in ("fp16", "bf16", "fp32"):

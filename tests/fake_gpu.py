@@ -201,6 +201,9 @@ class FakeGpu:
         mp.setattr(torch.cuda, "_get_device_properties", self._props, raising=False)
         # A T4 or V100 can hold bf16 tensors, so torch's emulation probe succeeds there.
         mp.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)
+        # A CUDA build binds these to torch._C's functions when torch.cuda is imported.
+        mp.setattr(torch.cuda, "_exchange_device", self._exchange)
+        mp.setattr(torch.cuda, "_maybe_exchange_device", self._exchange)
         fakes = {
             "_cuda_getDeviceCount": lambda: n,
             "_cuda_getDevice": lambda: self.current,

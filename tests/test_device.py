@@ -422,3 +422,56 @@ def test_planner_builds_and_measures_inside_the_cap(monkeypatch):
     assert [what for what, _ in seen] == ["build"] + ["step"] * 4  # warm-up, 2 timed, tracked
     assert all(fraction < 0.4 for _, fraction in seen), seen  # 8 GiB of a 22 GiB card
     assert gpu.fraction == 1.0  # and lifted afterwards
+
+
+# -- 7. the allocator's view of one computation, from a baseline after a warm-up ---------------
+
+
+def test_allocator_growth_leaves_out_inputs_and_what_a_warm_up_left(monkeypatch):
+    from helpers.memory import allocator_baseline, allocator_growth
+
+    gpu = FakeGpu(monkeypatch, [PROFILES["h100"]])
+    cuda = torch.device("cuda", 0)
+    workspace, scratch = 32 * MiB, 10 * MiB
+
+    def attention_call(first: bool) -> None:
+        if first:  # cuBLAS allocates its workspace at the first matmul and keeps it
+            gpu.allocate(workspace)
+        gpu.allocate(scratch)
+        gpu.free(scratch)
+
+    gpu.allocate(100 * MiB)  # q, k, v made before the measurement
+    attention_call(first=True)  # the warm-up call layer_memory makes
+    baseline = allocator_baseline(cuda)
+    attention_call(first=False)
+    assert allocator_growth(cuda, baseline) == scratch
+    # Measured the old way (peak after a reset, no warm-up) the first call would have
+    # counted the inputs and the workspace as well: a constant that bends a fitted slope.
+    assert allocator_baseline(torch.device("cpu")) is None
+
+
+# -- The remaining CUDA branches of helpers, under the fakes ------------------------------------
+
+
+def test_present_and_set_current(monkeypatch):
+    gpu = FakeGpu(monkeypatch, [PROFILES["a100-80"], PROFILES["a100-80"]])
+    assert dev.present(torch.device("cuda", 1)) and not dev.present(torch.device("cuda", 2))
+    assert dev.present(torch.device("cpu")) and not dev.present(torch.device("mps"))
+    dev.set_current(torch.device("cuda", 1))
+    assert gpu.current == 1 and dev.resolve("cuda") == torch.device("cuda", 1)
+
+
+def test_flash_attention_2_needs_ampere_and_the_package(monkeypatch):
+    from helpers.attention import flash_attn_2_problem
+
+    FakeGpu(monkeypatch, [PROFILES["t4"], PROFILES["h100"]])
+    assert "8.0" in flash_attn_2_problem(torch.device("cuda", 0))
+    problem = flash_attn_2_problem(torch.device("cuda", 1))  # the package is not installed here
+    assert problem is None or "flash-attn" in problem
+
+
+def test_the_fork_server_preloads_no_cuda_asking_module_on_a_gpu(monkeypatch):
+    from helpers.isolate import _PRELOAD, preload_list
+
+    FakeGpu(monkeypatch, [PROFILES["l4"]])
+    assert preload_list("bitsandbytes", "peft") == _PRELOAD  # children import them themselves

@@ -115,3 +115,52 @@ def test_readme_shows_the_current_fit_table():
     assert block == fit_markdown(), (
         "README's fit table is stale: paste python -m helpers fit --reference"
     )
+
+
+def _operator_launches(model: str) -> int:
+    """aten operators in one forward + backward of ``model`` (at most one kernel launch each)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from helpers.models import build_model, load_config
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.device("meta"):
+        net = build_model(load_config(model), device="meta")
+    ids = torch.randint(0, 100, (1, 8), device="meta")
+    with Count():
+        net(input_ids=ids, labels=ids).loss.backward()
+    return Count.n
+
+
+def test_lesson_05_times_a_shape_where_16_bit_can_be_faster(fitted):
+    """Lesson 05 asserts 16-bit < 0.8 x fp32 at the full scale: its step must be compute-bound.
+
+    A roofline of one step: the longer of its arithmetic at the card's data-sheet peak and its
+    operator launches at 10 us each (eager PyTorch's dispatch and launch cost per operator).
+    With 256 tokens per step (the lesson's first version) the fp32 step is launch-bound on an
+    H100, so 16 bits could not be faster; at the fitted shape the ratio is well under 0.8.
+    """
+    from helpers.fullscale import _info
+    from helpers.timing import peak_tflops
+
+    launches = 10e-6 * _operator_launches(FULL.decoder)
+    n = _info(FULL.decoder).n_params
+
+    def ratio(name: str, tokens: int) -> float:
+        flops = 6 * n * tokens
+        half = peak_tflops(name, "bf16") or peak_tflops(name, "fp16")
+        fp32 = max(launches, flops / (peak_tflops(name, "fp32") * 1e12))
+        return max(launches, flops / (half * 1e12)) / fp32
+
+    for key, scale in fitted.items():
+        name = card(key).name
+        if scale.name != "full" or key == "a10g":  # NVIDIA publishes no data sheet for the A10G
+            continue
+        assert ratio(name, scale.max_batch * scale.seq_len) < 0.7, key
+    assert ratio(card("h100").name, 4 * 64) > 0.8  # the old shape: launch-bound
