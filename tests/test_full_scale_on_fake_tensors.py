@@ -20,7 +20,6 @@ from helpers.memory import CategoryTracker
 from helpers.models import load_config, task_kind
 
 
-
 def tracked_step_on_fake_tensors(name: str, batch: int, seq: int, precision: str):
     """The tracker's peaks of one steady-state step (after AdamW's state exists), on fakes."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
