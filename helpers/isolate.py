@@ -163,3 +163,180 @@ def _device_name(device: str | None) -> str:
     # context would then show up in every later NVML reading.
     dev = resolve(device)
     return cpu_name() if dev.type == "cpu" else str(dev)
+
+
+# --------------------------------------------------------------------------------------------
+# Contenders in processes of their own, timed in interleaved rounds (helpers.timing.interleave)
+
+
+@dataclass(frozen=True)
+class Bench:
+    """How to build one contender in a fresh process: ``fn(*args, **kwargs)`` returns the
+    callable to time (a training step, say). ``fn`` must be importable, as for call_isolated."""
+
+    fn: Callable
+    args: tuple = ()
+    kwargs: dict | None = None
+
+    def build(self) -> Callable:
+        """The callable to time (run in the contender's own process)."""
+        return self.fn(*self.args, **(self.kwargs or {}))
+
+
+def bench(fn: Callable, *args, **kwargs) -> Bench:
+    """``Bench(fn, args, kwargs)``, the way a lesson writes it."""
+    return Bench(fn, args, kwargs)
+
+
+def _bench_worker(conn, spec: Bench, device: str, warmup: int) -> None:
+    """A contender's process: build it, warm it up, then time calls until told to stop."""
+    import torch
+
+    from helpers.timing import time_fn
+
+    try:
+        call = spec.build()
+        time_fn(call, torch.device(device), warmup=warmup, repeats=1)
+        conn.send(("ready", None))
+        while (n := conn.recv()) is not None:
+            conn.send(("times", time_fn(call, torch.device(device), warmup=0, repeats=n).times))
+    except BaseException as err:  # the coordinator reports it as this contender's error
+        conn.send(("error", f"{type(err).__name__}: {_first_line(err)}"))
+    finally:
+        conn.close()
+
+
+class Workers:
+    """One long-lived process per contender, built and warmed up one after the other.
+
+    Built once, each then times ``n`` calls whenever asked, so rounds can alternate between
+    contenders that live in separate processes (nothing one allocates or compiles touches
+    another) without rebuilding them. All contenders are alive at once: where they do not
+    fit in memory together, use fresh processes per round (``compare_benches(mode="fresh")``).
+    """
+
+    def __init__(self, benches: dict[str, Bench], device: str, warmup: int = 1,
+                 daemon: bool = True) -> None:  # fmt: skip
+        self.conns, self.procs, self.errors = {}, {}, {}
+        ctx = _context()
+        for name, spec in benches.items():
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_bench_worker, args=(child, spec, device, warmup),
+                               daemon=daemon)  # fmt: skip
+            proc.start()
+            child.close()
+            kind, detail = self._receive(parent, proc)
+            if kind == "ready":
+                self.conns[name], self.procs[name] = parent, proc
+            else:
+                self.errors[name] = detail
+                proc.join()
+
+    @staticmethod
+    def _receive(conn, proc):
+        try:
+            return conn.recv()
+        except EOFError:
+            proc.join()
+            return "error", f"the contender's process died (exit code {proc.exitcode})"
+
+    def run(self, name: str, n: int = 1) -> list[float]:
+        """Seconds of each of ``n`` calls of contender ``name``; RuntimeError if it failed."""
+        self.conns[name].send(n)
+        kind, detail = self._receive(self.conns[name], self.procs[name])
+        if kind != "times":
+            raise RuntimeError(f"{name}: {detail}")
+        return detail
+
+    def close(self) -> None:
+        """Stop every contender's process."""
+        for name, conn in self.conns.items():
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self.procs[name].join(timeout=30)
+            if self.procs[name].is_alive():
+                self.procs[name].kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _bench_once(spec: Bench, device: str, warmup: int, n: int) -> list[float]:
+    """Build, warm up and time ``n`` calls of a contender (one round in a fresh process)."""
+    import torch
+
+    from helpers.timing import time_fn
+
+    return time_fn(spec.build(), torch.device(device), warmup=warmup, repeats=n).times
+
+
+def compare_benches(
+    benches: dict[str, Bench],
+    device=None,
+    mode: str = "workers",
+    warmup: int = 1,
+    per_round: int = 1,
+    daemon: bool = True,
+    **rounds,
+):
+    """Contenders built in processes of their own, timed in interleaved rounds.
+
+    ``mode="workers"``: one long-lived process per contender (``Workers``), all alive at
+    once. ``mode="fresh"``: every round of every contender in a fresh process, which builds
+    and warms it up again (slower, but only one contender is in memory at a time: a GPU that
+    holds one full-scale model, not nine). A contender that fails (out of memory, say) is left
+    out of the rounds and named in the result's ``errors``. ``rounds`` as for
+    ``helpers.timing.interleave``.
+    """
+    import statistics
+
+    from helpers.device import resolve
+
+    device = str(resolve(device))
+    if mode == "fresh":
+        errors: dict[str, str] = {}
+
+        def run_fresh(name: str) -> float:
+            out = call_isolated(_bench_once, benches[name], device, warmup, per_round,
+                                daemon=daemon)  # fmt: skip
+            if out.error:
+                raise _ContenderFailed(name, out.error)
+            return statistics.median(out.value)
+
+        return _interleave_guarded(run_fresh, list(benches), errors, rounds)
+    if mode != "workers":
+        raise ValueError(f"unknown mode {mode!r}: workers or fresh")
+    with Workers(benches, device, warmup, daemon) as workers:
+        names = [n for n in benches if n not in workers.errors]
+
+        def run_worker(name: str) -> float:
+            try:
+                return statistics.median(workers.run(name, per_round))
+            except RuntimeError as err:
+                raise _ContenderFailed(name, str(err)) from None
+
+        return _interleave_guarded(run_worker, names, dict(workers.errors), rounds)
+
+
+class _ContenderFailed(Exception):
+    def __init__(self, name: str, error: str) -> None:
+        super().__init__(error)
+        self.name, self.error = name, error
+
+
+def _interleave_guarded(run, names, errors, rounds):
+    """``interleave`` that drops a contender failing mid-way (its error kept) and starts over."""
+    from helpers.timing import interleave
+
+    while True:
+        try:
+            result = interleave(run, [n for n in names if n not in errors], **rounds)
+            result.errors = errors
+            return result
+        except _ContenderFailed as failed:
+            errors[failed.name] = failed.error

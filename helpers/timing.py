@@ -213,3 +213,217 @@ def by_op_class(op_seconds: dict[str, float]) -> dict[str, float]:
     for name, value in op_seconds.items():
         out[op_class(name)] += value
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Comparing contenders on a machine that is doing other things
+#
+# A laptop's or a shared server's speed drifts: a browser tab, a compile, another user. Two
+# contenders timed one after the other see different machines, so their ratio mixes the
+# contenders with the drift. Timed in interleaved rounds (A B C, B C A, C A B, ...), each
+# round sees one machine state, and the per-round ratios cancel most of the drift. Their
+# median is the estimate; how far the rounds scatter says whether the claim is decided.
+
+STRICT_ENV = "COURSE_STRICT_TIMING"  # "1": an undecided speed claim fails (make test does this)
+CLAIMS_ENV = "COURSE_CLAIMS"  # JSON-lines file every checked claim is appended to
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A speed claim: how the time of ``name`` compares with the time of ``versus``.
+
+    ``kind`` "faster": time(name) / time(versus) < ``factor``; "slower": > ``factor``;
+    "similar": between 1 / ``factor`` and ``factor``. ``why`` is the one-line reason.
+    """
+
+    name: str
+    kind: str
+    versus: str
+    factor: float = 1.0
+    why: str = ""
+
+    def __str__(self) -> str:
+        if self.kind == "similar":
+            return f"{self.name} within {self.factor:g}x of {self.versus}"
+        rel = "<" if self.kind == "faster" else ">"
+        return f"time {self.name} / {self.versus} {rel} {self.factor:g}"
+
+
+def median_interval(values: list[float], confidence: float = 0.9) -> tuple[float, float] | None:
+    """A distribution-free interval for the median: [k-th smallest, k-th largest] value.
+
+    The median of n independent rounds lies below the k-th smallest value only if at most
+    k - 1 rounds fell below it, a Binomial(n, 1/2) event; k is the largest with both tails
+    together under 1 - ``confidence``. None when there are too few rounds (5 give 93.75 %).
+    """
+    import math
+
+    n, ranked = len(values), sorted(values)
+    best = None
+    for k in range(1, n // 2 + 1):
+        tail = sum(math.comb(n, i) for i in range(k)) / 2**n  # P(Bin(n, 1/2) <= k - 1)
+        if 1 - 2 * tail < confidence:
+            break
+        best = (ranked[k - 1], ranked[n - k])
+    return best
+
+
+@dataclass
+class Comparison:
+    """Contenders timed in interleaved rounds: seconds per call, one number per round each."""
+
+    times: dict[str, list[float]]
+    confidence: float = 0.9
+    errors: dict[str, str] = field(default_factory=dict)  # contenders that could not run
+
+    @property
+    def rounds(self) -> int:
+        """Rounds completed (every contender once per round)."""
+        return min((len(t) for t in self.times.values()), default=0)
+
+    def ratios(self, name: str, versus: str) -> list[float]:
+        """time(name) / time(versus), round by round."""
+        return [a / b for a, b in zip(self.times[name], self.times[versus], strict=False)]
+
+    def ratio(self, name: str, versus: str) -> float:
+        """Median of the per-round time ratios."""
+        return statistics.median(self.ratios(name, versus))
+
+    def interval(self, name: str, versus: str) -> tuple[float, float] | None:
+        """Where the median ratio lies at ``confidence`` (see ``median_interval``)."""
+        return median_interval(self.ratios(name, versus), self.confidence)
+
+    def median(self, name: str) -> float:
+        """Median seconds per call of ``name`` over the rounds."""
+        return statistics.median(self.times[name])
+
+    def rate(self, name: str, units: float) -> tuple[float, float, float]:
+        """``units`` per second of ``name``: median, and the lowest and highest round."""
+        rates = [units / t for t in self.times[name]]
+        return statistics.median(rates), min(rates), max(rates)
+
+    def verdict(self, claim: Claim) -> str:
+        """holds, fails (decided the wrong way) or undecided (the rounds scatter too much)."""
+        if claim.name in self.errors or claim.versus in self.errors:
+            return "undecided"
+        bounds = self.interval(claim.name, claim.versus)
+        if bounds is None:
+            return "undecided"
+        lo, hi = bounds
+        f = claim.factor
+        if claim.kind == "faster":
+            return "holds" if hi < f else "fails" if lo >= f else "undecided"
+        if claim.kind == "slower":
+            return "holds" if lo > f else "fails" if hi <= f else "undecided"
+        if claim.kind == "similar":
+            if 1 / f < lo and hi < f:
+                return "holds"
+            return "fails" if hi <= 1 / f or lo >= f else "undecided"
+        raise ValueError(f"unknown claim kind {claim.kind!r}: faster, slower or similar")
+
+    def decided(self, claims) -> bool:
+        """Every claim holds or fails: more rounds would not change a verdict's side."""
+        return all(self.verdict(c) != "undecided" for c in claims)
+
+    def describe(self, claim: Claim) -> str:
+        """One line: the claim, the median ratio and its interval, the verdict."""
+        if claim.name in self.errors or claim.versus in self.errors:
+            bad = claim.name if claim.name in self.errors else claim.versus
+            return f"{claim}: undecided, {bad} did not run ({self.errors[bad]})"
+        bounds = self.interval(claim.name, claim.versus)
+        where = "too few rounds" if bounds is None else f"{bounds[0]:.3g}-{bounds[1]:.3g}"
+        return (
+            f"{claim}: median ratio {self.ratio(claim.name, claim.versus):.3g} "
+            f"({where} at {self.confidence:.0%}, {self.rounds} rounds): {self.verdict(claim)}"
+        )
+
+
+def interleave(
+    run: Callable[[str], float],
+    names: list[str],
+    rounds: int = 5,
+    max_rounds: int = 15,
+    claims=(),
+    confidence: float = 0.9,
+) -> Comparison:
+    """Rounds of ``run(name)`` (seconds of one timed unit) over ``names``, in rotating order.
+
+    After ``rounds`` rounds, more are added while a claim is undecided, up to ``max_rounds``:
+    a noisy machine takes longer to decide instead of deciding wrongly.
+    """
+    times: dict[str, list[float]] = {n: [] for n in names}
+    out = Comparison(times, confidence)
+    for i in range(max_rounds):
+        if i >= rounds and out.decided(claims):
+            break
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            times[name].append(run(name))
+    return out
+
+
+def compare_calls(
+    calls: dict[str, Callable[[], object]],
+    device: torch.device,
+    warmup: int = 1,
+    per_round: int = 1,
+    **rounds,
+) -> Comparison:
+    """Interleaved timing of callables in this process (see ``interleave`` for ``rounds``).
+
+    Each contender is warmed up first; a round times ``per_round`` calls of each (their median
+    is the round's number), synchronising the device before and after each call.
+    """
+    for fn in calls.values():
+        for _ in range(warmup):
+            fn()
+    synchronize(device)
+
+    def run(name: str) -> float:
+        return time_fn(calls[name], device, warmup=0, repeats=per_round).median
+
+    return interleave(run, list(calls), **rounds)
+
+
+def check_claims(comparison: Comparison, claims, lesson: str = "") -> list[str]:
+    """The verdict of each claim, one line each; raises AssertionError on a wrong verdict.
+
+    An undecided claim (its rounds scatter across the line even after the extra rounds) is
+    reported, never skipped silently: with $COURSE_STRICT_TIMING=1 (``make test``, a quiet
+    machine) it fails too. Every verdict is appended to $COURSE_CLAIMS when that is set.
+    """
+    import json
+
+    lines, wrong, undecided = [], [], []
+    for claim in claims:
+        verdict = comparison.verdict(claim)
+        lines.append(comparison.describe(claim))
+        if verdict == "fails":
+            wrong.append(lines[-1])
+        elif verdict == "undecided":
+            undecided.append(lines[-1])
+        if os.environ.get(CLAIMS_ENV):
+            ran = claim.name not in comparison.errors and claim.versus not in comparison.errors
+            pair = (claim.name, claim.versus)
+            row = {"lesson": lesson, "claim": str(claim), "verdict": verdict,
+                   "rounds": comparison.rounds,
+                   "ratio": comparison.ratio(*pair) if ran else None,
+                   "interval": comparison.interval(*pair) if ran else None}  # fmt: skip
+            with open(os.environ[CLAIMS_ENV], "a") as f:
+                f.write(json.dumps(row) + "\n")
+    if wrong:
+        raise AssertionError("speed claim decided the other way:\n" + "\n".join(wrong))
+    if undecided and os.environ.get(STRICT_ENV) == "1":
+        raise AssertionError(
+            "speed claim undecided on a machine that should be quiet "
+            f"(${STRICT_ENV}=1):\n" + "\n".join(undecided)
+        )
+    return lines
+
+
+def pause(seconds: float) -> Callable[[], None]:
+    """A contender that only waits ``seconds``: a known answer for checking a comparison."""
+
+    def wait() -> None:
+        time.sleep(seconds)
+
+    return wait
