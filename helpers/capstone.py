@@ -10,6 +10,7 @@ can.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, replace
 
 import torch
@@ -79,6 +80,22 @@ def recipe_config(recipe: Recipe, base: RunConfig, half: str) -> RunConfig:
     )
 
 
+def _per_sample(record: Record) -> list[float]:
+    samples = record.config.get("batch_size", 1) * record.config.get("grad_accum", 1)
+    return [t / samples for t in record.step_times]
+
+
+def speed_ratio(record: Record, vanilla: Record) -> float | None:
+    """samples/s over vanilla's: the median of per-round ratios when both come from the same
+    interleaved rounds (``with_speed``), else the ratio of the two medians."""
+    if not (record.ok and vanilla.ok and record.samples_per_s and vanilla.samples_per_s):
+        return None
+    mine, base = _per_sample(record), _per_sample(vanilla)
+    if mine and len(mine) == len(base):
+        return statistics.median(b / m for m, b in zip(mine, base, strict=True))
+    return record.samples_per_s / vanilla.samples_per_s
+
+
 def device_memory(record: Record) -> tuple[int | None, str]:
     """The memory figure closest to the seed's: NVML (view 3) if measured, else the exact peak."""
     if record.nvml_used:
@@ -94,7 +111,6 @@ def ablation_table(records: dict[str, Record]):
 
     vanilla = records.get("vanilla")
     base_mem = device_memory(vanilla)[0] if vanilla and vanilla.ok else None
-    base_speed = vanilla.samples_per_s if vanilla and vanilla.ok else None
     seed0 = SEED_RECIPES[0]
     rows = []
     for recipe in SEED_RECIPES:
@@ -106,7 +122,7 @@ def ablation_table(records: dict[str, Record]):
                 "recipe": recipe.label,
                 "samples/s": speed,
                 "memory MiB": None if mem is None else mem / MiB,
-                "speed ratio": speed / base_speed if speed and base_speed else None,
+                "speed ratio": speed_ratio(rec, vanilla) if rec and vanilla else None,
                 "memory ratio": mem / base_mem if mem and base_mem else None,
                 "seed samples/s": recipe.seed_samples_per_s,
                 "seed MB": recipe.seed_mb,

@@ -141,8 +141,8 @@ def _plan(args) -> int:
         return _fail(f"--budget: {err}")
     if args.effective_batch < 1 or (args.seq_len is not None and args.seq_len < 1):
         return _fail("--effective-batch and --seq-len must be positive")
-    if args.top_k < 1 or args.repeats < 1:
-        return _fail("--top-k and --repeats must be positive")
+    if args.top_k < 1 or args.rounds < 5:
+        return _fail("--top-k must be positive and --rounds at least 5")
     try:
         result = plan(
             args.model,
@@ -151,7 +151,7 @@ def _plan(args) -> int:
             args.seq_len,
             device=args.device,
             top_k=args.top_k,
-            repeats=args.repeats,
+            rounds=args.rounds,
         )
     except (OSError, ValueError, KeyError) as err:
         return _fail(f"cannot plan for {args.model!r}: {err}")
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=None, help="default: the scale's length")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator)")
     p.add_argument("--top-k", type=int, default=6, help="how many candidates to time")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per candidate")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (at least 5)")
     p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
     p.set_defaults(func=_plan)
 

@@ -282,6 +282,7 @@ def compare_benches(
     warmup: int = 1,
     per_round: int = 1,
     daemon: bool = True,
+    units: dict[str, float] | None = None,
     **rounds,
 ):
     """Contenders built in processes of their own, timed in interleaved rounds.
@@ -290,14 +291,16 @@ def compare_benches(
     once. ``mode="fresh"``: every round of every contender in a fresh process, which builds
     and warms it up again (slower, but only one contender is in memory at a time: a GPU that
     holds one full-scale model, not nine). A contender that fails (out of memory, say) is left
-    out of the rounds and named in the result's ``errors``. ``rounds`` as for
-    ``helpers.timing.interleave``.
+    out of the rounds and named in the result's ``errors``. With ``units`` (samples per call,
+    say) the times are per unit, so contenders doing different amounts of work compare by
+    throughput. ``rounds`` as for ``helpers.timing.interleave``.
     """
     import statistics
 
     from helpers.device import resolve
 
     device = str(resolve(device))
+    per_unit = {name: (units or {}).get(name, 1.0) for name in benches}
     if mode == "fresh":
         errors: dict[str, str] = {}
 
@@ -306,7 +309,7 @@ def compare_benches(
                                 daemon=daemon)  # fmt: skip
             if out.error:
                 raise _ContenderFailed(name, out.error)
-            return statistics.median(out.value)
+            return statistics.median(out.value) / per_unit[name]
 
         return _interleave_guarded(run_fresh, list(benches), errors, rounds)
     if mode != "workers":
@@ -316,7 +319,7 @@ def compare_benches(
 
         def run_worker(name: str) -> float:
             try:
-                return statistics.median(workers.run(name, per_round))
+                return statistics.median(workers.run(name, per_round)) / per_unit[name]
             except RuntimeError as err:
                 raise _ContenderFailed(name, str(err)) from None
 
@@ -340,3 +343,46 @@ def _interleave_guarded(run, names, errors, rounds):
             return result
         except _ContenderFailed as failed:
             errors[failed.name] = failed.error
+
+
+def mode_for(cfgs, device=None) -> str:
+    """ "workers" when the training runs ``cfgs`` fit in memory all at once, else "fresh".
+
+    Their peaks come from the estimator; on CUDA each worker also holds a CUDA context and
+    the allocator's margin (helpers.fullscale's model), on a CPU half the RAM is the limit.
+    """
+    import os
+
+    from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, gpu_info, is_cuda, resolve
+    from helpers.estimate import estimate_run
+
+    device = resolve(device)
+    need = sum(int(estimate_run(cfg).peak * (1 + RESERVE_MARGIN)) for cfg in cfgs)
+    if is_cuda(device):
+        need += (len(cfgs) + 1) * ASSUMED_CONTEXT  # the workers' contexts and the notebook's
+        return "workers" if need <= gpu_info(device).total_memory else "fresh"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return "workers" if need <= ram // 2 else "fresh"
+
+
+def compare_runs(cfgs: dict, device=None, claims=(), **options):
+    """Training runs (``helpers.train.RunConfig``) timed against each other, interleaved.
+
+    Each run trains in a process of its own (long-lived workers where they fit in memory
+    together, else a fresh process per round: ``mode_for``); times are seconds per sample, so
+    runs with different batches or accumulation compare by throughput (``rates()`` gives
+    samples/s). ``options`` as for ``compare_benches`` and ``helpers.timing.interleave``.
+    """
+    from dataclasses import replace
+
+    from helpers.train import trainee_step
+
+    plain = {label: replace(cfg, budget=None) for label, cfg in cfgs.items()}
+    options.setdefault("mode", mode_for(list(plain.values()), device))
+    return compare_benches(
+        {label: bench(trainee_step, cfg) for label, cfg in plain.items()},
+        device,
+        units={label: cfg.batch_size * cfg.grad_accum for label, cfg in plain.items()},
+        claims=claims,
+        **options,
+    )

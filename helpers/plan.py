@@ -115,7 +115,8 @@ class Measurement:
 
     candidate: Candidate
     step_time: float | None = None  # median seconds per optimizer step
-    samples_per_s: float | None = None
+    samples_per_s: float | None = None  # median over the interleaved rounds
+    samples_per_s_range: tuple[float, float] | None = None  # slowest and fastest round
     measured_peak: int | None = None  # largest tracked total of one step (None: not tracked)
     error: str | None = None  # why it did not run (e.g. out of memory under the budget)
 
@@ -141,6 +142,7 @@ class Plan:
     best: Measurement | None
     runner_up: Measurement | None
     reason: str
+    timing: object = None  # the interleaved Comparison of the candidates that ran
 
 
 def usable_budget(budget: int, device: torch.device) -> int:
@@ -249,27 +251,27 @@ def shortlist(cands: list[Candidate], k: int = 6) -> list[Candidate]:
     return sorted(picked, key=fitting.index)
 
 
-def _run(cfg, budget: int | None, repeats: int) -> dict:
-    """Time ``repeats`` steps of ``cfg`` after warm-up, then track one step under ``budget``.
+def _run(cfg, budget: int | None) -> dict:
+    """Warm ``cfg`` up, then track one step's peak under ``budget`` (a fresh process's job).
 
-    On CUDA the whole run is inside the allocator's cap: building the model, the timed steps
-    and the tracked one; elsewhere the tracked step enforces the budget.
+    On CUDA the whole run is inside the allocator's cap: building the model, the warm-up and
+    the tracked step; elsewhere the tracked step enforces the budget.
     """
     from helpers.device import resolve
     from helpers.memory import memory_budget
-    from helpers.timing import time_fn
     from helpers.train import Trainee
 
     device = resolve(cfg.device)
     capped = bool(budget) and is_cuda(device)
     with memory_budget(budget, device=device) if capped else contextlib.nullcontext():
         trainee = Trainee(cfg)
-        timing = time_fn(trainee.step, device, warmup=max(1, cfg.warmup), repeats=repeats)
+        for _ in range(max(1, cfg.warmup)):  # the optimizer state exists from the first step
+            trainee.step()
         tracker = AccumulatingTracker(budget=None if capped else budget, device=device)
         tracker.track_external(trainee.model, trainee.optimizer)
         with tracker:
             trainee.step()
-    return {"step_time": timing.median, "peak": tracker.peaks().peak}
+    return {"peak": tracker.peaks().peak}
 
 
 class AccumulatingTracker(CategoryTracker):
@@ -293,31 +295,49 @@ def measure_candidate(
     model,
     seq_len: int,
     budget: int | None = None,
-    repeats: int = 3,
     device: str | None = None,
     isolate: bool = True,
 ) -> Measurement:
-    """Time a candidate (median of ``repeats`` steps) and track one step's peak under ``budget``."""
+    """Run a candidate, tracking one step's peak under ``budget`` (speed: ``time_candidates``)."""
     from helpers.isolate import call_isolated
 
-    cfg = cand.run_config(model, seq_len, device=device, warmup=1, repeats=repeats, flops=False)
+    cfg = cand.run_config(model, seq_len, device=device, warmup=1, flops=False)
     if isolate:
-        outcome = call_isolated(_run, cfg, budget, repeats)
+        outcome = call_isolated(_run, cfg, budget)
         if outcome.error:
             return Measurement(cand, error=outcome.error)
         result = outcome.value
     else:
         try:
-            result = _run(cfg, budget, repeats)
+            result = _run(cfg, budget)
         except torch.OutOfMemoryError as err:
             return Measurement(cand, error=f"OutOfMemoryError: {str(err).splitlines()[0]}")
-    samples = cand.micro_batch * cand.grad_accum
-    return Measurement(
-        cand,
-        step_time=result["step_time"],
-        samples_per_s=samples / result["step_time"],
-        measured_peak=result["peak"],
-    )
+    return Measurement(cand, measured_peak=result["peak"])
+
+
+def time_candidates(measured: list[Measurement], model, seq_len: int, device=None, rounds=5):
+    """Time the candidates that ran against each other in interleaved rounds; fill in speeds.
+
+    Each candidate trains in a process of its own (``helpers.isolate.compare_benches``), so a
+    slow spell of the machine hits them all alike. Returns the ``Comparison`` (seconds per
+    sample), or None when no candidate ran.
+    """
+    from helpers.isolate import compare_runs
+
+    ok = [m for m in measured if m.ok]
+    if not ok:
+        return None
+    cfgs = {m.candidate.label: m.candidate.run_config(model, seq_len, device=device) for m in ok}
+    comparison = compare_runs(cfgs, device, rounds=rounds, max_rounds=rounds)
+    for m in ok:
+        label = m.candidate.label
+        if label in comparison.errors:
+            m.error = comparison.errors[label]
+            continue
+        median, slowest, fastest = comparison.rate(label, 1.0)
+        m.samples_per_s, m.samples_per_s_range = median, (slowest, fastest)
+        m.step_time = m.candidate.micro_batch * m.candidate.grad_accum / median
+    return comparison
 
 
 def plan(
@@ -327,11 +347,14 @@ def plan(
     seq_len: int | None = None,
     device: str | None = None,
     top_k: int = 6,
-    repeats: int = 3,
+    rounds: int = 5,
     isolate: bool = True,
     **space,
 ) -> Plan:
     """Search, prune with the estimator, time the ``top_k`` cheapest, explain the fastest.
+
+    The shortlisted candidates each run in a fresh process under the budget (the measured
+    peak), then train against each other in ``rounds`` interleaved rounds (the speed).
 
     ``space`` narrows the search (``precisions``, ``optimizers``, ``attentions``,
     ``checkpointing``; see ``candidates``). Raises ValueError when the budget cannot hold the
@@ -356,9 +379,10 @@ def plan(
     cands = candidates(model, budget, effective_batch, seq_len, dev, **space)
     fitting = [c for c in cands if c.fits]
     measured = [
-        measure_candidate(c, model, seq_len, budget, repeats, device, isolate)
+        measure_candidate(c, model, seq_len, budget, device, isolate)
         for c in shortlist(cands, top_k)
     ]
+    timing = time_candidates(measured, model, seq_len, device, rounds)
     measured.sort(key=lambda m: (not m.ok, -(m.samples_per_s or 0.0)))
     ok = [m for m in measured if m.ok]
     best = ok[0] if ok else None
@@ -376,7 +400,8 @@ def plan(
         measured,
         best,
         runner,
-        explain(best, runner, cands, budget, measured),
+        explain(best, runner, cands, budget, measured, timing),
+        timing,
     )
 
 
@@ -401,7 +426,7 @@ def _variant(cands: list[Candidate], c: Candidate, **changes) -> Candidate | Non
     return next((x for x in cands if all(getattr(x, k) == v for k, v in want.items())), None)
 
 
-def explain(best, runner, cands, budget, measured) -> str:
+def explain(best, runner, cands, budget, measured, timing=None) -> str:
     """One paragraph: why the winner won, from the numbers of the search."""
     if best is None:
         smallest = min(cands, key=lambda c: c.estimated_peak)
@@ -449,10 +474,12 @@ def explain(best, runner, cands, budget, measured) -> str:
         text += (
             f"The runner-up, {runner.candidate.label}, reaches "
             f"{runner.samples_per_s:.3g} samples/s ({gap:.0f}% slower"
-            + (
-                "; within timing noise, run again with more repeats to separate them)."
-                if gap < 10
-                else ")."
-            )
         )
+        if timing is not None:
+            from helpers.timing import Claim
+
+            claim = Claim(best.candidate.label, "faster", runner.candidate.label)
+            if timing.verdict(claim) != "holds":
+                text += "; the rounds overlap, so the two are not separated: more rounds would tell"
+        text += ")."
     return text

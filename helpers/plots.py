@@ -79,12 +79,33 @@ def lines(
     return fig
 
 
-def bars(values: Mapping[str, float], ylabel: str, title: str = "", fmt: str = "{:.3g}") -> Figure:
-    """Labelled bars with their values written on top."""
+def bars(
+    values: Mapping[str, float],
+    ylabel: str,
+    title: str = "",
+    fmt: str = "{:.3g}",
+    ranges: Mapping[str, tuple[float, float]] | None = None,
+) -> Figure:
+    """Labelled bars with their values written on top.
+
+    ``ranges`` (low, high) per bar draws an error bar: for a median of interleaved rounds,
+    the slowest and the fastest round, so the bar's spread is in the picture.
+    """
     fig = Figure(figsize=(max(4, 1.0 * len(values) + 2), 3.5), layout="constrained")
     ax = fig.add_subplot()
-    rects = ax.bar(list(values), list(values.values()), color="#4C72B0")
-    ax.bar_label(rects, labels=[fmt.format(v) for v in values.values()], fontsize="small")
+    errors = None
+    if ranges:
+        lows = [values[k] - ranges[k][0] for k in values]
+        highs = [ranges[k][1] - values[k] for k in values]
+        errors = [lows, highs]
+    rects = ax.bar(list(values), list(values.values()), color="#4C72B0", yerr=errors,
+                   capsize=4, ecolor="#333333")  # fmt: skip
+    ax.bar_label(rects, labels=[fmt.format(v) for v in values.values()], fontsize="small",
+                 padding=2)  # fmt: skip
+    if ranges:
+        ax.annotate("bar: median round; line: slowest to fastest round", (0, 1),
+                    xycoords="axes fraction", xytext=(2, 2), textcoords="offset points",
+                    fontsize="x-small", va="bottom")  # fmt: skip
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.tick_params(axis="x", labelrotation=20)

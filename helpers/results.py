@@ -128,5 +128,29 @@ def summary_table(records: list[Record]):
     return pd.DataFrame(rows)
 
 
+def with_speed(record: Record, comparison, label: str | None = None) -> Record:
+    """``record`` with its speed from an interleaved comparison of runs (seconds per sample).
+
+    ``step_times`` become the per-round seconds per step, so two records from the same
+    comparison can be compared round by round; the medians fill the other speed fields.
+    ``label``: the record's name in the comparison (default: the record's own label).
+    """
+    from dataclasses import replace
+
+    label = label or record.label
+    if not record.ok or label not in comparison.times:
+        return record
+    samples = record.config["batch_size"] * record.config.get("grad_accum", 1)
+    median = comparison.median(label) * samples
+    tokens = samples * record.config["seq_len"]
+    return replace(
+        record,
+        step_time=median,
+        step_times=[t * samples for t in comparison.times[label]],
+        samples_per_s=samples / median,
+        tokens_per_s=tokens / median,
+    )
+
+
 def _mb(nbytes: int | None) -> float | None:
     return None if nbytes is None else round(nbytes / 2**20, 1)

@@ -302,6 +302,11 @@ class Comparison:
         rates = [units / t for t in self.times[name]]
         return statistics.median(rates), min(rates), max(rates)
 
+    def rates(self, units: float | dict[str, float] = 1.0) -> dict[str, tuple[float, float, float]]:
+        """``rate`` of every contender: {name: (median, slowest round, fastest round)}."""
+        per = units if isinstance(units, dict) else dict.fromkeys(self.times, units)
+        return {name: self.rate(name, per[name]) for name in self.times if self.times[name]}
+
     def verdict(self, claim: Claim) -> str:
         """holds, fails (decided the wrong way) or undecided (the rounds scatter too much)."""
         if claim.name in self.errors or claim.versus in self.errors:
@@ -332,8 +337,9 @@ class Comparison:
             return f"{claim}: undecided, {bad} did not run ({self.errors[bad]})"
         bounds = self.interval(claim.name, claim.versus)
         where = "too few rounds" if bounds is None else f"{bounds[0]:.3g}-{bounds[1]:.3g}"
+        why = f" ({claim.why})" if claim.why else ""
         return (
-            f"{claim}: median ratio {self.ratio(claim.name, claim.versus):.3g} "
+            f"{claim}{why}: median ratio {self.ratio(claim.name, claim.versus):.3g} "
             f"({where} at {self.confidence:.0%}, {self.rounds} rounds): {self.verdict(claim)}"
         )
 

@@ -152,6 +152,11 @@ class Trainee:
         return self.losses[-1]
 
 
+def trainee_step(cfg: RunConfig):
+    """A Trainee's ``step``: the contender a speed comparison times (``helpers.isolate.bench``)."""
+    return Trainee(cfg).step
+
+
 def measure(cfg: RunConfig) -> Record:
     """Run ``cfg`` on this machine: per-category bytes of a steady-state step, timing, all views."""
     device = resolve(cfg.device)

@@ -99,3 +99,17 @@ def test_cli_prints_the_capstone_table(tmp_path, capsys):
     numbers = [float(x) for x in row.removeprefix("bs1 + accum 4").split()[:-1]]
     assert 0.8 in numbers and 0.6 in numbers  # ours: speed 8/10, memory 60/100
     assert 0.87 in numbers and 0.58 in numbers  # the seed's: 7.75/8.86, 8681/14949
+
+
+def test_speed_ratio_is_the_median_of_the_rounds_when_both_come_from_one_comparison():
+    from helpers.capstone import speed_ratio
+    from helpers.results import Record, with_speed
+    from helpers.timing import Comparison
+
+    # Per sample: vanilla 1, 1, 4 (a slow spell in round 3); 16-bit 0.5, 0.5, 2 in the same rounds.
+    rounds = Comparison({"vanilla": [1.0, 1.0, 4.0], "16-bit": [0.5, 0.5, 2.0]})
+    config = {"batch_size": 4, "grad_accum": 1, "seq_len": 8}
+    vanilla = with_speed(Record({**config, "label": "vanilla"}), rounds)
+    half = with_speed(Record({**config, "label": "16-bit"}), rounds)
+    assert vanilla.step_times == [4.0, 4.0, 16.0]  # seconds per step of 4 samples
+    assert speed_ratio(half, vanilla) == 2.0  # every round says 2x

@@ -82,7 +82,7 @@ def test_plan_measures_and_the_winner_fits():
         SEQ,
         device="cpu",
         top_k=2,
-        repeats=1,
+        rounds=5,
         isolate=False,
         precisions=["fp32"],
         optimizers=["adamw", "sgd"],
@@ -96,6 +96,8 @@ def test_plan_measures_and_the_winner_fits():
     assert abs(best.estimated_peak - result.best.measured_peak) < 0.10 * result.best.measured_peak
     assert result.runner_up is not None
     assert result.best.samples_per_s >= result.runner_up.samples_per_s
+    # Their speeds come from the same interleaved rounds.
+    assert result.timing.rounds == 5 and best.label in result.timing.times
     assert best.label in result.reason and result.runner_up.candidate.label in result.reason
 
 
@@ -156,8 +158,8 @@ def test_cli_plan_json(capsys):
         "cpu",
         "--top-k",
         "1",
-        "--repeats",
-        "1",
+        "--rounds",
+        "5",
         "--json",
     ]
     assert main(argv) == 0
