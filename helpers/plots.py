@@ -60,12 +60,23 @@ def lines(
     logx: bool = False,
     logy: bool = False,
     hlines: Mapping[str, float] | None = None,
+    ranges: Mapping[str, Sequence[tuple[float, float]]] | None = None,
 ) -> Figure:
-    """One line per series against ``x``; optional labelled horizontal reference lines."""
+    """One line per series against ``x``; optional labelled horizontal reference lines.
+
+    ``ranges`` gives a series (low, high) per point, drawn as error bars: for medians of
+    interleaved rounds, the slowest and the fastest round.
+    """
     fig = Figure(figsize=(6, 4), layout="constrained")
     ax = fig.add_subplot()
     for name, ys in series.items():
-        ax.plot(x, ys, marker="o", label=name)
+        spans = (ranges or {}).get(name)
+        if spans is None:
+            ax.plot(x, ys, marker="o", label=name)
+            continue
+        errors = [[y - lo for y, (lo, _) in zip(ys, spans, strict=True)],
+                  [hi - y for y, (_, hi) in zip(ys, spans, strict=True)]]  # fmt: skip
+        ax.errorbar(x, ys, yerr=errors, marker="o", capsize=3, label=name)
     for name, y in (hlines or {}).items():
         ax.axhline(y, linestyle="--", color="grey", linewidth=1)
         ax.annotate(name, (x[0], y), textcoords="offset points", xytext=(0, 3), fontsize="small")

@@ -372,20 +372,23 @@ def compare_calls(
     device: torch.device,
     warmup: int = 1,
     per_round: int = 1,
+    units: dict[str, float] | None = None,
     **rounds,
 ) -> Comparison:
     """Interleaved timing of callables in this process (see ``interleave`` for ``rounds``).
 
     Each contender is warmed up first; a round times ``per_round`` calls of each (their median
-    is the round's number), synchronising the device before and after each call.
+    is the round's number), synchronising the device before and after each call. With
+    ``units`` (work per call) the times are per unit.
     """
     for fn in calls.values():
         for _ in range(warmup):
             fn()
     synchronize(device)
+    per_unit = {name: (units or {}).get(name, 1.0) for name in calls}
 
     def run(name: str) -> float:
-        return time_fn(calls[name], device, warmup=0, repeats=per_round).median
+        return time_fn(calls[name], device, warmup=0, repeats=per_round).median / per_unit[name]
 
     return interleave(run, list(calls), **rounds)
 
