@@ -242,6 +242,33 @@ def _hardware(args) -> int:
     return 0
 
 
+def _claims(args) -> int:
+    """How the lessons' speed claims came out: holds / undecided / fails, per lesson."""
+    import os
+    from collections import Counter
+
+    from helpers.timing import CLAIMS_ENV
+
+    path = args.claims or os.environ.get(CLAIMS_ENV)
+    if not path or not os.path.exists(path):
+        print(f"no speed claims recorded ({path or f'${CLAIMS_ENV} is not set'})")
+        return 0
+    with open(path) as f:
+        rows = [row for line in f if line.strip() and "verdict" in (row := json.loads(line))]
+    counts = Counter(r["verdict"] for r in rows)
+    lessons = Counter(r["lesson"] for r in rows)
+    print(
+        f"speed claims: {len(rows)} checked in {len(lessons)} lessons: "
+        + ", ".join(f"{counts[v]} {v}" for v in ("holds", "undecided", "fails"))
+    )
+    for r in rows:
+        if r["verdict"] != "holds":
+            ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.3g}"
+            print(f"  {r['lesson']}: {r['claim']}: {r['verdict']} (median ratio {ratio}, "
+                  f"{r['rounds']} rounds)")  # fmt: skip
+    return 0
+
+
 def _preflight(args) -> int:
     """Each feature the lessons need, tried in a fresh process; the table; exit 1 if one fails."""
     from helpers.isolate import start
@@ -353,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("fit", help="what the full scale runs on this GPU, lesson by lesson")
     f.add_argument("--reference", action="store_true", help="the table for the reference cards")
     f.set_defaults(func=_fit)
+
+    cl = sub.add_parser("claims", help="how the lessons' speed claims came out")
+    cl.add_argument("--claims", default=None, help="claims log (default: $COURSE_CLAIMS)")
+    cl.set_defaults(func=_claims)
 
     pre = sub.add_parser("preflight", help="try every hardware feature the lessons use, here")
     pre.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the accelerator)")

@@ -121,3 +121,34 @@ def bars(
     ax.set_title(title)
     ax.tick_params(axis="x", labelrotation=20)
     return fig
+
+
+def timeline(runs: Mapping[str, Mapping[str, Sequence[float]]], ylabel: str, title: str = "",
+             mark: int | None = None) -> Figure:  # fmt: skip
+    """One panel per way of timing: each contender's calls in the order they ran.
+
+    ``runs`` maps a panel title to {contender: seconds per call}; within a panel the calls
+    are drawn in the order they were made (contenders after one another, or in turns).
+    ``mark``: the call at which something changed (a background load switched on).
+    """
+    fig = Figure(figsize=(5 * len(runs), 3.6), layout="constrained")
+    axes = fig.subplots(1, len(runs), sharey=True, squeeze=False)[0]
+    for ax, (name, times) in zip(axes, runs.items(), strict=True):
+        order = name.lower().startswith("interleav")
+        start = 0
+        for i, (who, values) in enumerate(times.items()):
+            xs = [2 * j + i for j in range(len(values))] if order else list(
+                range(start, start + len(values)))  # fmt: skip
+            ax.plot(xs, [1e3 * v for v in values], "o", label=who, markersize=4)
+            start += len(values)
+        if mark is not None:
+            ax.axvline(mark - 0.5, color="grey", linestyle="--", linewidth=1)
+            ax.annotate("load on", (mark - 0.5, 1), xycoords=("data", "axes fraction"),
+                        xytext=(3, -12), textcoords="offset points", fontsize="small")  # fmt: skip
+        ax.set_title(name)
+        ax.set_xlabel("call, in the order made")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(ylabel)
+    axes[0].legend(fontsize="small")
+    fig.suptitle(title)
+    return fig

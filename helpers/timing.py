@@ -436,3 +436,54 @@ def pause(seconds: float) -> Callable[[], None]:
         time.sleep(seconds)
 
     return wait
+
+
+def _burn(stop) -> None:
+    """Keep one core busy until ``stop`` is set (a CPU load for demonstrations)."""
+    while not stop.is_set():
+        sum(range(10_000))
+
+
+class CpuBurner:
+    """A background CPU load that can be switched on and off: ``processes`` busy loops.
+
+    By default on half the cores: enough to slow anything that uses every core (PyTorch's
+    CPU kernels do) by about half, without starving the machine.
+
+    For showing what a busy machine does to timings (lesson 00); ``tools/bursty_load.py`` is
+    the irregular load the course's timing lessons are tested under.
+    """
+
+    def __init__(self, processes: int | None = None) -> None:
+        from helpers.isolate import _context  # the fork server: no imports to wait for
+
+        self.processes = processes or max(1, (os.cpu_count() or 2) // 2)
+        self._ctx = _context()
+        self._stop = self._ctx.Event()
+        self._procs: list = []
+
+    def start(self) -> None:
+        """Switch the load on (no-op if it is on)."""
+        if self._procs:
+            return
+        self._stop.clear()
+        self._procs = [self._ctx.Process(target=_burn, args=(self._stop,), daemon=True)
+                       for _ in range(self.processes)]  # fmt: skip
+        for proc in self._procs:
+            proc.start()
+
+    def stop(self) -> None:
+        """Switch the load off and wait for the busy loops to end."""
+        self._stop.set()
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self._procs = []
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

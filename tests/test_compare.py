@@ -86,3 +86,17 @@ def test_check_claims_fails_on_a_wrong_verdict_and_on_undecided_when_strict(monk
         check_claims(result, [Claim("a", "faster", "b")])
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["verdict"] for r in rows] == ["undecided", "holds", "fails", "undecided"]
+
+
+def test_cli_claims_summarises_the_log(monkeypatch, tmp_path, capsys):
+    from helpers.cli import main
+
+    log = tmp_path / "claims.jsonl"
+    monkeypatch.setenv("COURSE_CLAIMS", str(log))
+    monkeypatch.delenv(STRICT_ENV, raising=False)
+    result = Comparison({"a": [1.0, 3.0, 1.0, 3.0, 1.0], "b": [2.0] * 5, "c": [4.0] * 5})
+    check_claims(result, [Claim("a", "faster", "c"), Claim("a", "faster", "b")], "03")
+    assert main(["claims"]) == 0
+    out = capsys.readouterr().out
+    assert "2 checked in 1 lessons: 1 holds, 1 undecided, 0 fails" in out
+    assert "03: time a / b < 1: undecided" in out
