@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 MiB = 2**20
 # One colour per memory category, used by every lesson so the categories read the same.
@@ -146,6 +147,7 @@ def timeline(runs: Mapping[str, Mapping[str, Sequence[float]]], ylabel: str, tit
             ax.annotate("load on", (mark - 0.5, 1), xycoords=("data", "axes fraction"),
                         xytext=(3, -12), textcoords="offset points", fontsize="small")  # fmt: skip
         ax.set_title(name)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("call, in the order made")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(ylabel)
