@@ -127,6 +127,15 @@ class PairedTiming:
         extra = statistics.median(c - p for c, p in zip(self.checkpointed, self.plain, strict=True))
         return extra / statistics.median(self.forward)
 
+    def comparison(self):
+        """The rounds as a ``helpers.timing.Comparison``: plain, checkpointed, forward, and
+        "extra" (checkpointed minus plain, round by round), for claims on per-round ratios."""
+        from helpers.timing import Comparison
+
+        extra = [c - p for c, p in zip(self.checkpointed, self.plain, strict=True)]
+        return Comparison({"plain": self.plain, "checkpointed": self.checkpointed,
+                           "forward": self.forward, "extra": extra})  # fmt: skip
+
 
 def paired_step_times(cfg, repeats: int = 20) -> PairedTiming:
     """Time ``cfg`` without and with checkpointing in alternating steps, in this process.
