@@ -189,17 +189,19 @@ def tracked_bytes(rows: list[StateTensor], device: torch.device | str) -> int:
     return sum(allocation_bytes(r.nbytes, kind) for r in rows if not r.host)
 
 
-def adamw_step_times(cfg, variants: dict[str, dict], repeats: int = 20) -> dict:
-    """Median seconds of ``optimizer.step()`` alone for torch AdamW built with each kwargs set.
+def adamw_step_times(cfg, variants: dict[str, dict], repeats: int = 20, claims=()) -> dict:
+    """``optimizer.step()`` alone for torch AdamW built with each kwargs set, timed in turns.
 
     The model of ``cfg`` gets fixed random gradients once; every variant starts from the same
     weights, so the updated weights can be compared too (key ``max_diff``: the largest
-    difference from the first variant after one step). A variant that cannot be built on this
+    difference from the first variant after one step). The variants' optimizers then step in
+    interleaved rounds (``helpers.timing.compare_calls``, at least ``repeats`` rounds, more
+    while a claim is undecided): key ``comparison``. A variant that cannot be built on this
     device comes back as its error message instead of a time.
     """
     from helpers.device import resolve
     from helpers.models import build_model, load_config
-    from helpers.timing import time_fn
+    from helpers.timing import compare_calls
 
     device = resolve(cfg.device)
     model = build_model(load_config(cfg.model), device=device, seed=cfg.seed)
@@ -207,7 +209,7 @@ def adamw_step_times(cfg, variants: dict[str, dict], repeats: int = 20) -> dict:
     g = torch.Generator().manual_seed(cfg.seed)
     start = [p.detach().clone() for p in params]
     grads = [1e-3 * torch.randn(p.shape, generator=g).to(device) for p in params]
-    times, errors, max_diff, ref = {}, {}, {}, None
+    steps, errors, max_diff, ref = {}, {}, {}, None
     for label, kwargs in variants.items():
         for p, p0, gr in zip(params, start, grads, strict=True):
             p.data.copy_(p0)
@@ -223,10 +225,12 @@ def adamw_step_times(cfg, variants: dict[str, dict], repeats: int = 20) -> dict:
         max_diff[label] = max(
             float((p.detach() - r).abs().max()) for p, r in zip(params, ref, strict=True)
         )
-        times[label] = time_fn(opt.step, device, warmup=2, repeats=repeats)
-        del opt
-    return {"times": times, "errors": errors, "max_diff": max_diff, "n_tensors": len(params),
-            "n_params": sum(p.numel() for p in params)}  # fmt: skip
+        steps[label] = opt.step
+    ran = [c for c in claims if c.name in steps and c.versus in steps]
+    comparison = compare_calls(steps, device, warmup=2, rounds=repeats,
+                               max_rounds=max(repeats, 15), claims=ran)  # fmt: skip
+    return {"comparison": comparison, "errors": errors, "max_diff": max_diff,
+            "n_tensors": len(params), "n_params": sum(p.numel() for p in params)}  # fmt: skip
 
 
 def markov_curves(runs: dict, steps: int) -> dict:
