@@ -244,9 +244,9 @@ class Claim:
 
     def __str__(self) -> str:
         if self.kind == "similar":
-            return f"{self.name} within {self.factor:g}x of {self.versus}"
+            return f"{self.name} within {self.factor:.3g}x of {self.versus}"
         rel = "<" if self.kind == "faster" else ">"
-        return f"time {self.name} / {self.versus} {rel} {self.factor:g}"
+        return f"time {self.name} / {self.versus} {rel} {self.factor:.3g}"
 
 
 def median_interval(values: list[float], confidence: float = 0.9) -> tuple[float, float] | None:
