@@ -199,7 +199,7 @@ def _forward_backward(name: str, q, k, v, grad) -> None:
     attend(name, q, k, v).backward(grad)
 
 
-def layer_times(
+def layer_memories(
     name: str,
     batch: int,
     heads: int,
@@ -207,41 +207,47 @@ def layer_times(
     head_dim: int,
     dtype: str = "fp32",
     device: str = "cpu",
+) -> list[dict]:
+    """``layer_memory`` for each sequence length (one implementation; call it isolated).
+
+    A fresh tracker per length makes each number exact on its own, and no other
+    implementation's cached buffers share the process.
+    """
+    return [layer_memory(name, batch, heads, s, head_dim, dtype, device) for s in seqs]
+
+
+def layer_time_rounds(
+    names: list[str],
+    batch: int,
+    heads: int,
+    seqs: list[int],
+    head_dim: int,
+    dtype: str = "fp32",
+    device: str = "cpu",
     warmup: int = 1,
-    repeats: int = 3,
-) -> list[float]:
-    """Median seconds of forward+backward for each sequence length (helpers.timing.time_fn)."""
-    from helpers.timing import time_fn
+    rounds: int = 5,
+    claims=(),
+) -> dict:
+    """Forward+backward of every implementation, timed in turns at each sequence length.
+
+    {sequence length: ``helpers.timing.Comparison``}: at each length the implementations'
+    inputs are made once and their calls alternate round by round (``compare_calls``), so a
+    slow spell of the machine hits every implementation alike. ``claims`` are decided at the
+    longest length (more rounds while undecided).
+    """
+    from helpers.timing import compare_calls
 
     device = torch.device(device)
-    medians = []
+    out = {}
     for seq in seqs:
-        q, k, v, grad = make_qkv(batch, heads, seq, head_dim, DTYPES[dtype], device)
-        step = partial(_forward_backward, name, q, k, v, grad)
-        medians.append(time_fn(step, device, warmup=warmup, repeats=repeats).median)
-    return medians
-
-
-def layer_profile(
-    name: str,
-    batch: int,
-    heads: int,
-    seqs: list[int],
-    head_dim: int,
-    dtype: str = "fp32",
-    device: str = "cpu",
-    warmup: int = 1,
-    repeats: int = 3,
-) -> dict:
-    """Memory (``layer_memory``) and median time (``layer_times``) for each sequence length.
-
-    One call per implementation through ``call_isolated``: a fresh tracker per length makes
-    each memory number exact on its own, and the timings never share a process with another
-    implementation's cached buffers.
-    """
-    memory = [layer_memory(name, batch, heads, s, head_dim, dtype, device) for s in seqs]
-    times = layer_times(name, batch, heads, seqs, head_dim, dtype, device, warmup, repeats)
-    return {"memory": memory, "time": times}
+        calls = {
+            name: partial(_forward_backward, name, *make_qkv(batch, heads, seq, head_dim,
+                                                             DTYPES[dtype], device))
+            for name in names
+        }  # fmt: skip
+        out[seq] = compare_calls(calls, device, warmup=warmup, rounds=rounds,
+                                 claims=claims if seq == seqs[-1] else ())  # fmt: skip
+    return out
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -329,14 +335,24 @@ def measure_any_attention(cfg):
     return train.measure(cfg)
 
 
-def power_law_figure(xs, series: dict, ylabel: str, title: str = ""):
-    """Log-log lines against sequence length, with dashed guides of slope 1 and 2."""
+def power_law_figure(xs, series: dict, ylabel: str, title: str = "", ranges: dict | None = None):
+    """Log-log lines against sequence length, with dashed guides of slope 1 and 2.
+
+    ``ranges``: per series, (low, high) per point, drawn as error bars (for times: the
+    slowest and the fastest of the interleaved rounds).
+    """
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6.5, 4), layout="constrained")
     ax = fig.add_subplot()
     for name, ys in series.items():
-        ax.plot(xs, ys, marker="o", label=name)
+        spans = (ranges or {}).get(name)
+        if spans is None:
+            ax.plot(xs, ys, marker="o", label=name)
+        else:
+            low = [y - lo for y, (lo, _) in zip(ys, spans, strict=True)]
+            high = [hi - y for y, (_, hi) in zip(ys, spans, strict=True)]
+            ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, label=name)
     xs = np.asarray(xs, float)
     firsts = [ys[0] for ys in series.values()]
     # Guides start at the first point of the highest and the lowest series.
