@@ -99,6 +99,19 @@ class MatmulTiming:
     seconds: dict[int, float] = field(default_factory=dict)
     tflops: dict[int, float] = field(default_factory=dict)
     spread: dict[int, float] = field(default_factory=dict)  # (max - min) / median of the repeats
+    rounds: dict[int, list[float]] = field(default_factory=dict)  # seconds per matmul, per round
+
+    def groups(self, groups: dict[str, Sequence[int]], best: bool = False):
+        """A ``helpers.timing.Comparison`` of groups of sizes: per round, the median (``best``:
+        the lowest) seconds per FLOP over the group's sizes, so that groups compare by speed."""
+        from helpers.timing import Comparison
+
+        pick = min if best else statistics.median
+        n_rounds = min(len(t) for t in self.rounds.values())
+        return Comparison({
+            name: [pick(self.rounds[n][r] / (2 * n**3) for n in sizes) for r in range(n_rounds)]
+            for name, sizes in groups.items()
+        })  # fmt: skip
 
 
 def matmul_timing(
@@ -143,6 +156,7 @@ def matmul_timing(
         out.seconds[n] = median
         out.tflops[n] = 2 * n**3 / median / 1e12
         out.spread[n] = (max(ts) - min(ts)) / (median * inner)
+        out.rounds[n] = [t / inner for t in ts]
     return out
 
 
@@ -213,12 +227,22 @@ def throughput_memory_figure(
     budget: int | None = None,
     found: int | None = None,
     title: str = "",
+    ranges: Sequence[tuple[float, float]] | None = None,
 ) -> Figure:
-    """Two panels against batch size: samples/s, and the exact peak (MiB) with the budget line."""
+    """Two panels against batch size: samples/s, and the exact peak (MiB) with the budget line.
+
+    ``ranges``: samples/s of the slowest and the fastest interleaved round per batch size.
+    """
     fig = Figure(figsize=(10, 4), layout="constrained")
     left, right = fig.subplots(1, 2)
-    left.plot(batches, samples_per_s, marker="o", color="#4C72B0")
-    left.set_ylabel("samples / s (median step)")
+    if ranges:
+        low = [v - lo for v, (lo, _) in zip(samples_per_s, ranges, strict=True)]
+        high = [hi - v for v, (_, hi) in zip(samples_per_s, ranges, strict=True)]
+        left.errorbar(batches, samples_per_s, yerr=[low, high], marker="o", capsize=3,
+                      color="#4C72B0")  # fmt: skip
+    else:
+        left.plot(batches, samples_per_s, marker="o", color="#4C72B0")
+    left.set_ylabel("samples / s (median round)")
     right.plot(batches, [p / MiB for p in peak_bytes], marker="o", color="#C44E52", label="peak")
     if budget is not None:
         right.axhline(budget / MiB, linestyle="--", color="grey", label="budget")

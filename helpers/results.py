@@ -143,12 +143,18 @@ def with_speed(record: Record, comparison, label: str | None = None) -> Record:
     samples = record.config["batch_size"] * record.config.get("grad_accum", 1)
     median = comparison.median(label) * samples
     tokens = samples * record.config["seq_len"]
+
+    def rescaled(util: float | None) -> float | None:  # FLOPs utilisation goes as 1 / time
+        return None if util is None or not record.step_time else util * record.step_time / median
+
     return replace(
         record,
         step_time=median,
         step_times=[t * samples for t in comparison.times[label]],
         samples_per_s=samples / median,
         tokens_per_s=tokens / median,
+        mfu=rescaled(record.mfu),
+        hfu=rescaled(record.hfu),
     )
 
 
