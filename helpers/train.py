@@ -240,24 +240,43 @@ def train_markov(cfg: RunConfig, steps: int) -> TrainResult:
 
 @dataclass
 class ForwardBackward:
-    """Forward and backward of one micro-batch, apart: FLOPs, median seconds, time by op class."""
+    """Forward and backward of one micro-batch, apart: FLOPs, times, time by op class.
+
+    Times come in rounds: each round times one forward and one backward back to back
+    (``forward_times``, ``backward_times``) and profiles one forward and one forward+backward
+    (``class_times``: per op class and pass, seconds per round), so that ratios can be taken
+    round by round (``helpers.timing.Comparison``), on one machine state each.
+    """
 
     forward_flops: int
     backward_flops: int
-    forward_s: float
-    backward_s: float
-    forward_ops: dict[str, float]  # self-time per aten operator in one forward
+    forward_times: list[float]
+    backward_times: list[float]
+    forward_ops: dict[str, float]  # self-time per aten operator in one forward (last round)
     backward_ops: dict[str, float]  # the same for one backward (forward+backward minus forward)
     op_flops: dict[str, int]  # forward + backward FLOPs per op class
+    class_times: dict[str, list[float]]  # "forward contractions" ... "backward element-wise"
+
+    @property
+    def forward_s(self) -> float:
+        """Median seconds of a forward pass."""
+        import statistics
+
+        return statistics.median(self.forward_times)
+
+    @property
+    def backward_s(self) -> float:
+        """Median seconds of a backward pass."""
+        import statistics
+
+        return statistics.median(self.backward_times)
 
 
-def forward_backward(cfg: RunConfig) -> ForwardBackward:
-    """Split a training step: forward and backward FLOPs (counted) and times (measured)."""
-    import statistics
-
+def forward_backward(cfg: RunConfig, rounds: int = 5) -> ForwardBackward:
+    """Split a training step: forward and backward FLOPs (counted) and times (in rounds)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from helpers.timing import op_class, op_self_times
+    from helpers.timing import OP_CLASSES, by_op_class, op_class, op_self_times
 
     trainee = Trainee(cfg)
     device, model, batch = trainee.device, trainee.model, trainee.batch()
@@ -271,7 +290,7 @@ def forward_backward(cfg: RunConfig) -> ForwardBackward:
         forward().backward()
 
     def class_flops(counter: FlopCounterMode) -> dict[str, int]:
-        out = dict.fromkeys(("contractions", "normalisations", "element-wise"), 0)
+        out = dict.fromkeys(OP_CLASSES, 0)
         for op, n in counter.get_flop_counts()["Global"].items():  # keys like aten.mm
             out[op_class(str(op).removeprefix("aten.").split(".")[0])] += n
         return out
@@ -282,10 +301,8 @@ def forward_backward(cfg: RunConfig) -> ForwardBackward:
     with bwd_counter:
         loss.backward()
     fwd_classes, bwd_classes = class_flops(fwd_counter), class_flops(bwd_counter)
-    # Time forward and backward within the same iteration, so that drift in the machine's
-    # speed (other processes, clock changes) affects both alike; medians over the repeats.
     fwd_times, bwd_times = [], []
-    for i in range(cfg.warmup + cfg.repeats):
+    for i in range(cfg.warmup + cfg.repeats):  # forward and backward timed in the same round
         model.zero_grad(set_to_none=True)
         synchronize(device)
         t0 = time.perf_counter()
@@ -297,14 +314,20 @@ def forward_backward(cfg: RunConfig) -> ForwardBackward:
         if i >= cfg.warmup:
             fwd_times.append(t1 - t0)
             bwd_times.append(time.perf_counter() - t1)
-    fwd_ops = op_self_times(forward, device)
-    all_ops = op_self_times(both, device)
+    class_times: dict[str, list[float]] = {}
+    for _ in range(rounds):  # a profile of each pass per round
+        fwd_ops, all_ops = op_self_times(forward, device), op_self_times(both, device)
+        bwd_ops = {k: max(0.0, v - fwd_ops.get(k, 0.0)) for k, v in all_ops.items()}
+        for phase, ops in (("forward", fwd_ops), ("backward", bwd_ops)):
+            for name, seconds in by_op_class(ops).items():
+                class_times.setdefault(f"{phase} {name}", []).append(seconds)
     return ForwardBackward(
         forward_flops=fwd_counter.get_total_flops(),
         backward_flops=bwd_counter.get_total_flops(),
-        forward_s=statistics.median(fwd_times),
-        backward_s=statistics.median(bwd_times),
+        forward_times=fwd_times,
+        backward_times=bwd_times,
         forward_ops=fwd_ops,
-        backward_ops={k: max(0.0, v - fwd_ops.get(k, 0.0)) for k, v in all_ops.items()},
+        backward_ops=bwd_ops,
         op_flops={k: fwd_classes[k] + bwd_classes[k] for k in fwd_classes},
+        class_times=class_times,
     )
