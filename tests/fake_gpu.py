@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import pynvml
 import torch
+import torch._dynamo  # noqa: F401  (imported as a CPU build: it asks torch.cuda when imported)
 
 from helpers.fullscale import REFERENCE_CARDS
 
