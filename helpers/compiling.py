@@ -213,14 +213,16 @@ def fusion_profile(
 ) -> dict:
     """Seconds per call of gelu_new: eager, compiled once with dynamic shapes, ATen's kernel.
 
-    Also the first call's seconds (the compilation), the number of graphs compiled over all
-    sizes, and the largest deviation of the compiled output from eager. For a fresh process;
-    ``prepare=False`` when ``prepare_compiler`` already ran in it.
+    At each size the three are timed in turns (``helpers.timing.compare_calls``, ``repeats``
+    rounds; key ``"rounds"`` keeps each size's per-round seconds). Also the first call's
+    seconds (the compilation), the number of graphs compiled over all sizes, and the largest
+    deviation of the compiled output from eager. For a fresh process; ``prepare=False`` when
+    ``prepare_compiler`` already ran in it.
     """
     from torch._dynamo.utils import counters
 
     from helpers.device import resolve
-    from helpers.timing import synchronize, time_fn
+    from helpers.timing import compare_calls, synchronize
 
     dev = resolve(device)
     if prepare:
@@ -240,9 +242,13 @@ def fusion_profile(
         for name in fns:
             out[name] = []
         out["max_error"], out["max_abs"] = 0.0, 0.0
+        out["rounds"] = []  # per size: {name: seconds per round}, the three in turns
         for x in xs:
-            for name, fn in fns.items():
-                out[name].append(time_fn(lambda f=fn, x=x: f(x), dev, warmup, repeats).median)
+            calls = {name: (lambda f=fn, x=x: f(x)) for name, fn in fns.items()}
+            turns = compare_calls(calls, dev, warmup=warmup, rounds=repeats, max_rounds=repeats)
+            out["rounds"].append(turns.times)
+            for name in fns:
+                out[name].append(turns.median(name))
             ref = gelu_new(x)
             out["max_error"] = max(out["max_error"], (compiled(x) - ref).abs().max().item())
             out["max_abs"] = max(out["max_abs"], ref.abs().max().item())
