@@ -14,13 +14,15 @@ from helpers.loading import (
     LoopResult,
     LoopSpec,
     WindowCollator,
+    calibrate,
+    copy_comparison,
     loader_loop,
     make_loader,
     make_tokenizer,
     make_words,
     markov_walks,
     predicted_step,
-    startup_times,
+    startup_rounds,
     starvation_figure,
     wordpiece_vocab,
 )
@@ -94,11 +96,38 @@ def test_workers_need_a_non_daemon_experiment():
     # DataLoader workers are children, which a daemon may not have: the error says what to do.
     from helpers.isolate import call_isolated
 
-    refused = call_isolated(startup_times, 1, False, 1, 1, 2, 16)
+    setups = {"none": (0, False), "fresh": (1, False), "kept": (1, True)}
+    refused = call_isolated(startup_rounds, setups, 2, 16)
     assert refused.error_type == "error" and "daemon=False" in refused.error
-    started = call_isolated(startup_times, 1, False, 1, 1, 2, 16, daemon=False)
+    started = call_isolated(startup_rounds, setups, 2, 16, rounds=2, max_rounds=2, daemon=False)
     assert started.error is None, started.error
-    assert len(started.value) == 1 and started.value[0] > 0
+    out = started.value
+    assert set(out.first_epoch) == set(setups) and all(t > 0 for t in out.first_epoch.values())
+    assert out.later.rounds == 2 and all(len(t) == 2 for t in out.later.times.values())
+
+
+def test_copy_comparison_times_each_host_buffer_in_turns():
+    # The pinned/pageable pair exists on a GPU only; the rounds are the same with CPU tensors.
+    hosts = {
+        "a": torch.ones(1 << 16, dtype=torch.uint8),
+        "b": torch.zeros(1 << 16, dtype=torch.uint8),
+    }
+    out = copy_comparison(hosts, "cpu", rounds=3, max_rounds=3)
+    assert out.rounds == 3 and set(out.times) == {"a", "b"}
+
+
+def test_calibration_times_the_tokenizers_in_turns():
+    from helpers.timing import Claim
+
+    threads = torch.get_num_threads()
+    try:
+        cal = calibrate("bert-tiny", 2, 16, ratio=1.0, device="cpu", repeats=5, probe_words=40,
+                        claims=[Claim("fast", "faster", "slow", 0.9)])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert cal.tokenizers.rounds >= 5
+    assert cal.t_data == {k: cal.tokenizers.median(k) for k in ("slow", "fast")}
+    assert cal.words_per_doc >= 16 and cal.t_model > 0
 
 
 def test_pin_memory_without_accelerator_warns():
