@@ -112,12 +112,13 @@ def bars(
         errors = [lows, highs]
     rects = ax.bar(list(values), list(values.values()), color="#4C72B0", yerr=errors,
                    capsize=4, ecolor="#333333")  # fmt: skip
-    ax.bar_label(rects, labels=[fmt.format(v) for v in values.values()], fontsize="small",
-                 padding=2)  # fmt: skip
+    labels = [fmt.format(v) for v in values.values()]
+    if ranges:  # inside the bars, clear of the error bars
+        ax.bar_label(rects, labels=labels, fontsize="small", label_type="center", color="white")
+    else:
+        ax.bar_label(rects, labels=labels, fontsize="small", padding=2)
     if ranges:
-        ax.annotate("bar: median round; line: slowest to fastest round", (0, 1),
-                    xycoords="axes fraction", xytext=(2, 2), textcoords="offset points",
-                    fontsize="x-small", va="bottom")  # fmt: skip
+        fig.supxlabel("bar: median round; line: slowest to fastest round", fontsize="x-small")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.tick_params(axis="x", labelrotation=20)

@@ -296,27 +296,15 @@ def _fetched_counter(module: torch.nn.Module):
     return fetched
 
 
-def measure_zero(run: ZeroRun):
-    """Train ``run`` with DeepSpeed ZeRO + CPU offload in this process; one Record of it.
-
-    Call it in a fresh process. ``memory`` holds the device side (``DeviceTracker`` on a CPU,
-    the allocator's peak on a GPU) and, under ``offloaded``, the bytes DeepSpeed keeps in host
-    buffers; ``resident`` is what the model itself holds between steps.
-    """
+def _engine(run: ZeroRun, device: torch.device):
+    """DeepSpeed's engine and ZeRO optimizer for ``run``, its batch on the device, its config
+    and the model's parameter count (taken before ZeRO-3 partitions the parameters away)."""
     from helpers.data import random_batch
-    from helpers.device import nvml_used_bytes, resolve
-    from helpers.hardware import hardware_report
-    from helpers.memory import allocator_peaks, memory_budget, reset_device_peaks
     from helpers.models import build_model, count_params, load_config, task_kind
-    from helpers.results import Record
-    from helpers.timing import time_fn
     from helpers.train import make_optimizer
 
-    t0 = time.perf_counter()
-    device = resolve(run.device)
     deepspeed = _start_deepspeed(device)
     config = load_config(run.model)
-    kind = task_kind(config)
     # Built on the CPU: DeepSpeed moves (ZeRO-2) or partitions (ZeRO-3) it at initialize.
     model = build_model(config, device="cpu", seed=run.seed)
     n_params = count_params(model)
@@ -324,15 +312,50 @@ def measure_zero(run: ZeroRun):
     ds_config = zero_config(
         run.stage, config.hidden_size, run.batch_size, run.offload_params, run.pin_memory
     )
+    engine, ds_optimizer, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=ds_config
+    )
+    data = random_batch(
+        task_kind(config), run.batch_size, run.seq_len, config.vocab_size, seed=run.seed
+    )
+    batch = {k: v.to(engine.device) for k, v in data.items()}
+    return engine, ds_optimizer, batch, ds_config, n_params
+
+
+def zero_step(run: ZeroRun):
+    """One DeepSpeed training step of ``run`` as a callable: a contender to time in a process
+    of its own (``helpers.isolate.bench``), next to ``helpers.train.trainee_step``."""
+    from helpers.device import resolve
+
+    engine, _, batch, _, _ = _engine(run, resolve(run.device))
+
+    def step() -> None:
+        engine.backward(engine(**batch).loss)
+        engine.step()
+
+    return step
+
+
+def measure_zero(run: ZeroRun):
+    """Train ``run`` with DeepSpeed ZeRO + CPU offload in this process; one Record of it.
+
+    Call it in a fresh process. ``memory`` holds the device side (``DeviceTracker`` on a CPU,
+    the allocator's peak on a GPU) and, under ``offloaded``, the bytes DeepSpeed keeps in host
+    buffers; ``resident`` is what the model itself holds between steps.
+    """
+    from helpers.device import nvml_used_bytes, resolve
+    from helpers.hardware import hardware_report
+    from helpers.memory import allocator_peaks, memory_budget, reset_device_peaks
+    from helpers.results import Record
+    from helpers.timing import time_fn
+
+    t0 = time.perf_counter()
+    device = resolve(run.device)
     stack = contextlib.ExitStack()
     if run.budget and device.type == "cuda":  # caps the allocator for the whole run
         stack.enter_context(memory_budget(run.budget, device=device))
     try:
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=ds_config
-        )
-        data = random_batch(kind, run.batch_size, run.seq_len, config.vocab_size, seed=run.seed)
-        batch = {k: v.to(engine.device) for k, v in data.items()}
+        engine, ds_optimizer, batch, ds_config, n_params = _engine(run, device)
         losses: list[float] = []
 
         def step() -> None:
@@ -629,6 +652,38 @@ def host_ram_bytes() -> int:
         return int(psutil.virtual_memory().total)
     except ImportError:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_peak(rec) -> int:
+    """A run's device-side peak (a Record): the allocator's on a GPU, the tracker's elsewhere."""
+    return rec.allocator["allocated"] if rec.allocator else rec.memory["peak"]
+
+
+def host_bytes(rec) -> int:
+    """Bytes a run's DeepSpeed keeps in host buffers (0 for a plain run)."""
+    return rec.memory.get("offloaded", 0)
+
+
+def timing_mode(records: dict, device=None) -> str:
+    """``compare_benches`` mode for timing the measured runs ``records`` against each other.
+
+    "workers" (all alive at once) when their measured device peaks fit the GPU together, with
+    the allocator's margin and a CUDA context each, and their host buffers and the models
+    built on the host fit in half the RAM; else "fresh" (one at a time, rebuilt each round).
+    On a CPU the device is the host, so device peaks count against the RAM.
+    """
+    from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, gpu_info, is_cuda, resolve
+
+    device = resolve(device)
+    on_device = sum(device_peak(r) for r in records.values()) * (1 + RESERVE_MARGIN)
+    host = sum(host_bytes(r) + 4 * (r.n_params or 0) for r in records.values())
+    if is_cuda(device):
+        on_device += (len(records) + 1) * ASSUMED_CONTEXT
+        if on_device > gpu_info(device).total_memory:
+            return "fresh"
+    else:
+        host += on_device
+    return "workers" if host <= host_ram_bytes() // 2 else "fresh"
 
 
 def placement_figure(device: dict[str, dict[str, int]], host: dict[str, int], budget: int):

@@ -116,3 +116,46 @@ def test_zero3_offload_in_one_process_matches_plain_training():
     plain = [trainee.step() for _ in range(2)]
     assert rec.losses[0] == pytest.approx(plain[0], rel=1e-6)  # same init, batch, forward
     assert rec.losses[1] == pytest.approx(plain[1], rel=1e-4)  # same AdamW step
+
+
+def _record(peak: int, offloaded: int = 0, n_params: int = 0, allocated: int | None = None):
+    from helpers.results import Record
+
+    allocator = None if allocated is None else {"allocated": allocated}
+    return Record(config={}, memory={"peak": peak, "offloaded": offloaded},
+                  n_params=n_params, allocator=allocator)  # fmt: skip
+
+
+def test_timing_mode_keeps_the_contenders_alive_together_only_where_they_fit(monkeypatch):
+    from tests.fake_gpu import PROFILES, FakeGpu
+
+    runs = {"plain": _record(100 * MiB, n_params=10**6), "ZeRO-3": _record(10 * MiB, 300 * MiB)}
+    # On a CPU the device is the host: 110 MiB x 1.1 + 300 MiB offloaded + 4 MB of weights
+    # built on the host = 429 MiB, against half the RAM.
+    monkeypatch.setattr(zero, "host_ram_bytes", lambda: 1024 * MiB)
+    assert zero.timing_mode(runs, "cpu") == "workers"
+    monkeypatch.setattr(zero, "host_ram_bytes", lambda: 512 * MiB)
+    assert zero.timing_mode(runs, "cpu") == "fresh"
+    # On a GPU the allocator's peaks, with the margin and a context each (and the notebook's).
+    GiB = 1024 * MiB
+    monkeypatch.setattr(zero, "host_ram_bytes", lambda: 64 * GiB)
+    FakeGpu(monkeypatch, [PROFILES["a100-40"]])
+    fit = {k: _record(1, allocated=15 * GiB) for k in ("a", "b")}  # 33 + 1.5 GiB < 39.6
+    assert zero.timing_mode(fit, "cuda") == "workers"
+    crowded = {k: _record(1, allocated=18 * GiB) for k in ("a", "b")}  # 39.6 + 1.5 > 39.6
+    assert zero.timing_mode(crowded, "cuda") == "fresh"
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed")
+def test_zero_step_is_a_contender_timed_in_turns_with_a_plain_step():
+    from helpers.isolate import bench, compare_benches
+    from helpers.train import RunConfig, trainee_step
+
+    run = zero.ZeroRun(model="llama-tiny", stage=2, offload_params=False, batch_size=2, seq_len=16)
+    contenders = {
+        "plain": bench(trainee_step, RunConfig(model="llama-tiny", batch_size=2, seq_len=16)),
+        "ZeRO-2": bench(zero.zero_step, run),
+    }
+    out = compare_benches(contenders, "cpu", rounds=2, max_rounds=2)
+    assert not out.errors, out.errors
+    assert out.rounds == 2 and all(t > 0 for times in out.times.values() for t in times)
