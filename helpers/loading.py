@@ -451,6 +451,51 @@ def loader_loop(spec: LoopSpec) -> LoopResult:
     return result
 
 
+def pooled(results: list[LoopResult]) -> LoopResult:
+    """Several runs of one spec as one result: their measured steps together."""
+    out = LoopResult(results[0].spec, cores=results[0].cores)
+    for r in results:
+        for name in ("waits", "computes", "collates", "collate_cpus", "model_cpus"):
+            getattr(out, name).extend(getattr(r, name))
+    out.first_batch_s = statistics.median(r.first_batch_s for r in results)
+    utils = [r.gpu_util for r in results if r.gpu_util is not None]
+    out.gpu_util = statistics.fmean(utils) if utils else None
+    return out
+
+
+@dataclass
+class LoopRounds:
+    """Training loops run in rotating rounds, each run in a fresh process."""
+
+    steps: object  # helpers.timing.Comparison: each run's mean step seconds, round by round
+    runs: dict[str, list[LoopResult]]  # every run of every spec, in order
+
+    def pooled(self) -> dict[str, LoopResult]:
+        """Each spec's runs as one ``LoopResult`` (``pooled``)."""
+        return {name: pooled(runs) for name, runs in self.runs.items() if runs}
+
+
+def loop_rounds(specs: dict[str, LoopSpec], claims=(), **rounds) -> LoopRounds:
+    """``loader_loop`` of every spec, each run a fresh process, in rotating rounds.
+
+    A round runs every spec once, so a burst of load on the machine hits all of them;
+    ``rounds`` as for ``helpers.timing.interleave`` (more rounds while a claim is undecided).
+    """
+    from helpers.isolate import call_isolated
+    from helpers.timing import interleave
+
+    runs: dict[str, list[LoopResult]] = {name: [] for name in specs}
+
+    def run(name: str) -> float:
+        out = call_isolated(loader_loop, specs[name], daemon=False)
+        if out.error:
+            raise RuntimeError(f"{name}: {out.error}")
+        runs[name].append(out.value)
+        return out.value.step_time
+
+    return LoopRounds(interleave(run, list(specs), claims=claims, **rounds), runs)
+
+
 @dataclass
 class Startup:
     """Seconds from ``iter(loader)`` to the first batch: each set-up's first epoch (one-off,
@@ -681,9 +726,15 @@ def pin_report(device: str | None = None, nbytes: int = 64 * 2**20, claims=()) -
     return report
 
 
-def starvation_figure(runs: dict[str, LoopResult], prior: dict | None = None, title: str = ""):
+def starvation_figure(
+    runs: dict[str, LoopResult],
+    prior: dict | None = None,
+    title: str = "",
+    rates: dict | None = None,
+):
     """Wait and compute per step with each run's prediction; samples/s against num_workers."""
     # prior: {num_workers: step seconds} predicted before the runs, drawn as a grey line.
+    # rates: {label: (median, slowest, fastest)} samples/s of interleaved rounds (error bars).
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 4), layout="constrained")
@@ -700,7 +751,15 @@ def starvation_figure(runs: dict[str, LoopResult], prior: dict | None = None, ti
     rs = sorted(runs.values(), key=lambda r: r.spec.num_workers)
     xs = [r.spec.num_workers for r in rs]
     batch = rs[0].spec.batch_size
-    right.plot(xs, [r.samples_per_s for r in rs], marker="o", label="measured")
+    if rates:
+        label_of = {id(r): label for label, r in runs.items()}
+        ranked = [rates[label_of[id(r)]] for r in rs]  # (median, slowest, fastest)
+        med = [m for m, _, _ in ranked]
+        errors = [[m - lo for m, lo, _ in ranked], [hi - m for m, _, hi in ranked]]
+        right.errorbar(xs, med, yerr=errors, marker="o", capsize=4,
+                       label="measured (median round; slowest to fastest)")  # fmt: skip
+    else:
+        right.plot(xs, [r.samples_per_s for r in rs], marker="o", label="measured")
     right.plot(xs, [batch / r.predicted for r in rs], linestyle="--", marker="x",
                label="predicted from the run's own t_data, t_model")  # fmt: skip
     if prior:

@@ -151,3 +151,19 @@ def test_loader_loop_accounts_every_step():
     assert len(r.waits) == len(r.computes) == len(r.collates) == len(r.collate_cpus) == 2
     assert r.t_model > 0 and r.t_data > 0 and r.first_batch_s > 0 and r.gpu_util is None
     assert 0 <= r.wait_fraction < 1
+
+
+def test_loop_rounds_alternate_fresh_runs_and_pool_their_steps():
+    from dataclasses import replace
+
+    from helpers.loading import loop_rounds, pooled
+
+    base = LoopSpec(words_per_doc=40, seq_len=16, steps=2, warmup=1, device="cpu")
+    specs = {"0 workers": base, "1 worker": replace(base, num_workers=1)}
+    out = loop_rounds(specs, rounds=2, max_rounds=2)
+    assert out.steps.rounds == 2 and [len(v) for v in out.runs.values()] == [2, 2]
+    assert out.steps.times["1 worker"] == [r.step_time for r in out.runs["1 worker"]]
+    one = out.pooled()["1 worker"]
+    assert len(one.waits) == 4 and one.spec.num_workers == 1
+    assert one.step_time == pytest.approx(sum(r.step_time for r in out.runs["1 worker"]) / 2)
+    assert pooled(out.runs["0 workers"]).gpu_util is None
