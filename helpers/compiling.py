@@ -83,6 +83,13 @@ def explain(fn: Callable, *args, **kwargs):
         return torch._dynamo.explain(fn)(*args, **kwargs)
 
 
+def is_compiled(module) -> bool:
+    """Whether ``module`` is torch.compile's wrapper around a model (an ``OptimizedModule``)."""
+    import torch._dynamo
+
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+
+
 def short_reason(reason: str) -> str:
     """First line of a graph-break or guard-failure reason, without hints or source comment."""
     return reason.strip().splitlines()[0].split("  #")[0].strip()

@@ -245,7 +245,7 @@ class ForwardBackward:
     Times come in rounds: each round times one forward and one backward back to back
     (``forward_times``, ``backward_times``) and profiles one forward and one forward+backward
     (``class_times``: per op class and pass, seconds per round), so that ratios can be taken
-    round by round (``helpers.timing.Comparison``), on one machine state each.
+    round by round (``passes()`` and ``classes()``), on one machine state each.
     """
 
     forward_flops: int
@@ -271,9 +271,44 @@ class ForwardBackward:
 
         return statistics.median(self.backward_times)
 
+    def passes(self):
+        """The two passes' rounds as a ``Comparison`` ("forward", "backward")."""
+        from helpers.timing import Comparison
 
-def forward_backward(cfg: RunConfig, rounds: int = 5) -> ForwardBackward:
-    """Split a training step: forward and backward FLOPs (counted) and times (in rounds)."""
+        return Comparison({"forward": self.forward_times, "backward": self.backward_times})
+
+    def classes(self):
+        """Op-class rounds as a ``Comparison``, with "all ops" and "element-wise" (both passes)."""
+        from helpers.timing import Comparison
+
+        ops = dict(self.class_times)
+        rounds = list(zip(*self.class_times.values(), strict=True))
+        ops["all ops"] = [sum(per_round) for per_round in rounds]
+        forward, backward = (
+            ops.get("forward element-wise", []),
+            ops.get("backward element-wise", []),
+        )
+        ops["element-wise"] = [f + b for f, b in zip(forward, backward, strict=True)]
+        return Comparison(ops)
+
+    def decided(self, claims) -> bool:
+        """Every claim (on passes or on op classes, by its names) holds or fails."""
+        passes, classes = self.passes(), self.classes()
+        return all(
+            (passes if {c.name, c.versus} <= {"forward", "backward"} else classes).verdict(c)
+            != "undecided"
+            for c in claims
+        )
+
+
+def forward_backward(
+    cfg: RunConfig, rounds: int = 5, max_rounds: int = 15, claims=()
+) -> ForwardBackward:
+    """Split a training step: forward and backward FLOPs (counted) and times (in rounds).
+
+    After ``rounds`` rounds, more are added while one of ``claims`` is undecided, up to
+    ``max_rounds`` (as ``helpers.timing.interleave`` does).
+    """
     from torch.utils.flop_counter import FlopCounterMode
 
     from helpers.timing import OP_CLASSES, by_op_class, op_class, op_self_times
@@ -301,8 +336,21 @@ def forward_backward(cfg: RunConfig, rounds: int = 5) -> ForwardBackward:
     with bwd_counter:
         loss.backward()
     fwd_classes, bwd_classes = class_flops(fwd_counter), class_flops(bwd_counter)
-    fwd_times, bwd_times = [], []
-    for i in range(cfg.warmup + cfg.repeats):  # forward and backward timed in the same round
+    for _ in range(cfg.warmup):
+        both()
+    out = ForwardBackward(
+        forward_flops=fwd_counter.get_total_flops(),
+        backward_flops=bwd_counter.get_total_flops(),
+        forward_times=[],
+        backward_times=[],
+        forward_ops={},
+        backward_ops={},
+        op_flops={k: fwd_classes[k] + bwd_classes[k] for k in fwd_classes},
+        class_times={},
+    )
+    for i in range(max_rounds):  # a round: forward and backward timed back to back, profiled
+        if i >= rounds and out.decided(claims):
+            break
         model.zero_grad(set_to_none=True)
         synchronize(device)
         t0 = time.perf_counter()
@@ -311,23 +359,12 @@ def forward_backward(cfg: RunConfig, rounds: int = 5) -> ForwardBackward:
         t1 = time.perf_counter()
         loss.backward()
         synchronize(device)
-        if i >= cfg.warmup:
-            fwd_times.append(t1 - t0)
-            bwd_times.append(time.perf_counter() - t1)
-    class_times: dict[str, list[float]] = {}
-    for _ in range(rounds):  # a profile of each pass per round
+        out.forward_times.append(t1 - t0)
+        out.backward_times.append(time.perf_counter() - t1)
         fwd_ops, all_ops = op_self_times(forward, device), op_self_times(both, device)
         bwd_ops = {k: max(0.0, v - fwd_ops.get(k, 0.0)) for k, v in all_ops.items()}
         for phase, ops in (("forward", fwd_ops), ("backward", bwd_ops)):
             for name, seconds in by_op_class(ops).items():
-                class_times.setdefault(f"{phase} {name}", []).append(seconds)
-    return ForwardBackward(
-        forward_flops=fwd_counter.get_total_flops(),
-        backward_flops=bwd_counter.get_total_flops(),
-        forward_times=fwd_times,
-        backward_times=bwd_times,
-        forward_ops=fwd_ops,
-        backward_ops=bwd_ops,
-        op_flops={k: fwd_classes[k] + bwd_classes[k] for k in fwd_classes},
-        class_times=class_times,
-    )
+                out.class_times.setdefault(f"{phase} {name}", []).append(seconds)
+        out.forward_ops, out.backward_ops = fwd_ops, bwd_ops
+    return out

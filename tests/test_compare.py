@@ -100,3 +100,16 @@ def test_cli_claims_summarises_the_log(monkeypatch, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 checked in 1 lessons: 1 holds, 1 undecided, 0 fails" in out
     assert "03: time a / b < 1: undecided" in out
+
+
+def test_forward_backward_adds_rounds_until_its_claims_are_decided():
+    from helpers.train import RunConfig, forward_backward
+
+    cfg = RunConfig(model="bert-tiny", batch_size=2, seq_len=16, warmup=1, flops=False)
+    plain = forward_backward(cfg, rounds=2, max_rounds=8)
+    assert len(plain.forward_times) == 2 and plain.classes().rounds == 2
+    # "all ops" includes the element-wise ones, so it is decided as soon as an interval exists:
+    # five rounds (median_interval's minimum at 90 %).
+    sure = Claim("all ops", "slower", "element-wise", 1.0)
+    fb = forward_backward(cfg, rounds=2, max_rounds=8, claims=[sure])
+    assert fb.passes().rounds == fb.classes().rounds == 5 and fb.decided([sure])
