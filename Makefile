@@ -6,6 +6,7 @@
 #   make lab       start JupyterLab on the notebooks
 #   make preflight try every hardware feature the lessons use on this machine (hosts: run it first)
 #   make load-test the timing lessons three times under nbval with a bursty CPU load running
+#   make load-course  make course with the same bursty load running
 #   make lint      ruff check + ruff format --check
 #   make format    strip notebook outputs, ruff check --fix, ruff format
 #   make clean     remove build outputs (make distclean also removes .venv)
@@ -67,11 +68,12 @@ NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 LINT_PATHS := $(wildcard helpers tests tools notebooks)
 TEST_RESULTS := $(CURDIR)/build/test-results.jsonl
 CLAIMS := $(CURDIR)/build/claims.jsonl
-# The lessons whose claims include speed: make load-test runs them under a bursty load.
-TIMING_NOTEBOOKS := $(addprefix notebooks/,00_setup_and_measuring.ipynb 02_batch_size.ipynb \
-  03_gradient_accumulation.ipynb 04_gradient_checkpointing.ipynb 05_mixed_precision.ipynb \
-  06_optimizers.ipynb 11_data_loading.ipynb 12_torch_compile.ipynb 13_peft_lora.ipynb \
-  14_putting_it_together.ipynb)
+# The lessons that check speed claims (all but 07): make load-test runs them under a bursty load.
+TIMING_NOTEBOOKS := $(addprefix notebooks/,00_setup_and_measuring.ipynb 01_anatomy_of_memory.ipynb \
+  02_batch_size.ipynb 03_gradient_accumulation.ipynb 04_gradient_checkpointing.ipynb \
+  05_mixed_precision.ipynb 06_optimizers.ipynb 08_deepspeed_zero.ipynb \
+  09_mixture_of_experts.ipynb 10_sdpa_flash_attention.ipynb 11_data_loading.ipynb \
+  12_torch_compile.ipynb 13_peft_lora.ipynb 14_putting_it_together.ipynb)
 COURSE_RESULTS_FILE := $(CURDIR)/build/results.jsonl
 EXECUTED_DIR := build/executed
 
@@ -81,7 +83,7 @@ NBVAL_ARGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 -p no:cac
   load-course lab format clean distclean
 
 help:
-	@sed -n '3,11p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '3,12p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 	@echo
 	@echo "Interpreter: $(PYTHON)$(if $(filter check-env,$(ENV_READY)), (yours; nothing is installed), (.venv, created on first use))"
 
