@@ -438,8 +438,13 @@ def pause(seconds: float) -> Callable[[], None]:
     return wait
 
 
-def _burn(stop) -> None:
+def _noop() -> None:
+    """Nothing: a process that only shows the fork server is ready."""
+
+
+def _burn(stop, running) -> None:
     """Keep one core busy until ``stop`` is set (a CPU load for demonstrations)."""
+    running.release()  # tell start() the load is on
     while not stop.is_set():
         sum(range(10_000))
 
@@ -460,17 +465,29 @@ class CpuBurner:
         self.processes = processes or max(1, (os.cpu_count() or 2) // 2)
         self._ctx = _context()
         self._stop = self._ctx.Event()
+        self._running = self._ctx.Semaphore(0)
         self._procs: list = []
+        # The fork server imports torch once when it starts: a busy spell of its own. One
+        # process started and joined here waits for that, so the machine is quiet afterwards.
+        ready = self._ctx.Process(target=_noop, daemon=True)
+        ready.start()
+        ready.join()
 
     def start(self) -> None:
-        """Switch the load on (no-op if it is on)."""
+        """Switch the load on and return once every busy loop runs (no-op if it is on)."""
         if self._procs:
             return
         self._stop.clear()
-        self._procs = [self._ctx.Process(target=_burn, args=(self._stop,), daemon=True)
-                       for _ in range(self.processes)]  # fmt: skip
+        self._procs = [self._ctx.Process(target=_burn, args=(self._stop, self._running),
+                                         daemon=True) for _ in range(self.processes)]  # fmt: skip
         for proc in self._procs:
             proc.start()
+        # Starting a process takes from milliseconds to seconds (the fork server may still be
+        # importing torch): a load that arrives late would miss what it is meant to slow down.
+        for _ in self._procs:
+            if not self._running.acquire(timeout=60):
+                self.stop()
+                raise RuntimeError("the CPU load's processes did not start within 60 s")
 
     def stop(self) -> None:
         """Switch the load off and wait for the busy loops to end."""

@@ -1,6 +1,7 @@
 """The interleaved comparison: its statistics, its rounds, its processes, its verdicts."""
 
 import json
+import os
 
 import pytest
 
@@ -113,3 +114,26 @@ def test_forward_backward_adds_rounds_until_its_claims_are_decided():
     sure = Claim("all ops", "slower", "element-wise", 1.0)
     fb = forward_backward(cfg, rounds=2, max_rounds=8, claims=[sure])
     assert fb.passes().rounds == fb.classes().rounds == 5 and fb.decided([sure])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc (Linux)")
+def test_cpu_burner_is_busy_when_start_returns_and_gone_after_stop():
+    # The load must be on when start() returns: lesson 00 times ten short calls right after it.
+    import time
+
+    from helpers.timing import CpuBurner
+
+    def cpu_ticks(pid: int) -> int:  # user + system clock ticks of a process (proc(5))
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+
+    burner = CpuBurner(1)
+    burner.start()
+    try:
+        (proc,) = burner._procs
+        before = cpu_ticks(proc.pid)
+        time.sleep(0.5)
+        assert cpu_ticks(proc.pid) - before >= 0.2 * os.sysconf("SC_CLK_TCK")  # >= 40 % busy
+    finally:
+        burner.stop()
+    assert not proc.is_alive() and burner._procs == []
