@@ -217,11 +217,17 @@ def fusion_profile(
     repeats: int = 10,
     cache_dir: str | None = None,
     prepare: bool = True,
+    claims=(),
+    max_repeats: int = 30,
+    per_round: int = 3,
 ) -> dict:
     """Seconds per call of gelu_new: eager, compiled once with dynamic shapes, ATen's kernel.
 
     At each size the three are timed in turns (``helpers.timing.compare_calls``, ``repeats``
-    rounds; key ``"rounds"`` keeps each size's per-round seconds). Also the first call's
+    rounds of ``per_round`` calls each; key ``"rounds"`` keeps each size's per-round seconds);
+    at the largest size rounds are added, up to ``max_repeats``, while one of ``claims`` is
+    undecided (one call there lasts milliseconds, within reach of a scheduler's hiccup). Also
+    the first call's
     seconds (the compilation), the number of graphs compiled over all sizes, and the largest
     deviation of the compiled output from eager. For a fresh process; ``prepare=False`` when
     ``prepare_compiler`` already ran in it.
@@ -250,9 +256,18 @@ def fusion_profile(
             out[name] = []
         out["max_error"], out["max_abs"] = 0.0, 0.0
         out["rounds"] = []  # per size: {name: seconds per round}, the three in turns
-        for x in xs:
+        for i, x in enumerate(xs):
             calls = {name: (lambda f=fn, x=x: f(x)) for name, fn in fns.items()}
-            turns = compare_calls(calls, dev, warmup=warmup, rounds=repeats, max_rounds=repeats)
+            last = i == len(xs) - 1
+            turns = compare_calls(
+                calls,
+                dev,
+                warmup=warmup,
+                per_round=per_round,
+                rounds=repeats,
+                max_rounds=max_repeats if last else repeats,
+                claims=claims if last else (),
+            )
             out["rounds"].append(turns.times)
             for name in fns:
                 out[name].append(turns.median(name))

@@ -1,7 +1,8 @@
 """torch.compile helpers: capture, graph breaks, recompiles, traffic counts, the training case.
 
-Nothing here runs inductor (a C++ compile takes seconds per kernel on a small CPU): the
-tests use the recording backend and the debugging backends eager and aot_eager.
+Inductor runs once here, on gelu_new's single kernel (a C++ compile takes seconds per kernel
+on a small CPU); the other tests use the recording backend and the debugging backends eager
+and aot_eager.
 """
 
 from __future__ import annotations
@@ -172,3 +173,16 @@ def test_step_profile_with_aot_eager(monkeypatch):
     # and the input gradient of the second linear (the input x needs none).
     assert out["flops"] == 5 * (2 * 16 * 8 * 32)
     reset_dynamo()
+
+
+def test_fusion_profile_adds_rounds_at_the_largest_size_while_a_claim_is_undecided(monkeypatch):
+    from helpers import timing
+
+    # Every claim stays undecided: the largest size runs up to max_repeats, the others stop.
+    monkeypatch.setattr(timing.Comparison, "decided", lambda self, claims: not claims)
+    claim = timing.Claim("compiled", "faster", "aten", 2.0)
+    out = compiling.fusion_profile(
+        [2**8, 2**10], repeats=3, max_repeats=7, per_round=1, claims=[claim], prepare=False
+    )
+    assert [len(r["aten"]) for r in out["rounds"]] == [3, 7]
+    assert out["graphs"] == 1 and out["max_error"] <= 1e-5
