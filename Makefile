@@ -114,7 +114,7 @@ test lint test-unit preflight test-notebooks: export COURSE_RESULTS := $(TEST_RE
 test:
 	@rm -f $(TEST_RESULTS) $(CLAIMS)
 	@mkdir -p build
-	@$(MAKE) --no-print-directory -k lint test-unit preflight test-notebooks
+	@$(MAKE) --no-print-directory -k lint test-unit preflight test-notebooks LINT_REQUIRED=1
 
 lint: $(ENV_READY)
 	@if $(PYTHON) -c 'import ruff' 2>/dev/null; then \
@@ -124,6 +124,9 @@ lint: $(ENV_READY)
 	  $(PYTHON) -m ruff format --check $(LINT_PATHS) || ok=1; \
 	  if [ $$ok -ne 0 ]; then echo "lint failed: 'make format' fixes most of it"; fi; \
 	  exit $$ok; \
+	elif [ -n "$(LINT_REQUIRED)" ]; then \
+	  echo "ruff is not installed for $(PYTHON): make test lints, so pip install ruff==0.17.6"; \
+	  exit 1; \
 	else \
 	  echo "ruff is not installed for $(PYTHON): skipping lint (pip install ruff==0.17.6 to lint)"; \
 	fi

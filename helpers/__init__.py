@@ -1,8 +1,15 @@
 """Measurement helpers for the course *Efficient training of transformers on a single GPU*.
 
-Import the submodules you need: ``helpers.scale``, ``helpers.hardware``, ``helpers.timing``,
-``helpers.memory``, ``helpers.train``, ``helpers.isolate``, ``helpers.results``, ``helpers.plots``.
-Importing this package does nothing else: no printing, no files, no global settings.
+Core machinery, flat: ``scale`` (tiny or full), ``device`` (every torch.cuda, torch.accelerator
+and NVML call), ``hardware``, ``data``, ``models``, ``timing``, ``memory``, ``optimizer_state``,
+``train``, ``isolate``, ``results``, ``plots``; the estimator and planner (``estimate``,
+``plan``), what each lesson runs at the full scale (``fullscale``), the host's ``preflight`` and
+the command line (``cli``: ``python -m helpers ...``). The lessons' own machinery lives in
+``helpers.lessons``, one module per notebook, named like it (``helpers.lessons.data_loading``
+for ``notebooks/11_data_loading.ipynb``).
+
+Import the submodules you need. Importing this package does nothing else: no printing, no
+files, no global settings.
 """
 
 __version__ = "0.1.0"

@@ -7,6 +7,8 @@ import json
 import sys
 from dataclasses import replace
 
+from helpers.names import ATTENTION, OPTIMIZERS, PRECISIONS, GiB, MiB
+
 EXIT_BAD_INPUT = 2
 
 
@@ -46,7 +48,7 @@ def _run_config(args):
 def _measure(args) -> int:
     from helpers.models import load_config
     from helpers.results import save
-    from helpers.train import OPTIMIZERS, measure
+    from helpers.train import measure
 
     if args.optimizer not in OPTIMIZERS:
         return _fail(f"unknown optimizer {args.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
@@ -89,7 +91,7 @@ def _measure(args) -> int:
     else:
         for key, value in summary.items():
             if isinstance(value, int) and key != "n_params":
-                value = f"{value:,} B ({value / 2**20:.1f} MiB)"
+                value = f"{value:,} B ({value / MiB:.1f} MiB)"
             print(f"{key:>26}: {value}")
     return 0
 
@@ -100,13 +102,12 @@ def _print_summary(summary: dict, as_json: bool) -> None:
         return
     for key, value in summary.items():
         if isinstance(value, int) and key != "n_params":
-            value = f"{value:,} B ({value / 2**20:.1f} MiB)"
+            value = f"{value:,} B ({value / MiB:.1f} MiB)"
         print(f"{key:>26}: {value}")
 
 
 def _estimate(args) -> int:
     from helpers.estimate import estimate_run
-    from helpers.train import OPTIMIZERS
 
     if args.optimizer not in OPTIMIZERS:
         return _fail(f"unknown optimizer {args.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
@@ -186,7 +187,7 @@ def _plan(args) -> int:
     for m in result.measured:
         c = m.candidate
         speed = f"{m.samples_per_s:8.3g} samples/s" if m.ok else f"failed: {m.error}"
-        print(f"  {c.label:<48} est. peak {c.estimated_peak / 2**20:9.1f} MiB  {speed}")
+        print(f"  {c.label:<48} est. peak {c.estimated_peak / MiB:9.1f} MiB  {speed}")
     if result.best:
         print(f"best:      {result.best.candidate.label}")
     if result.runner_up:
@@ -214,7 +215,12 @@ def _summary(args) -> int:
 def _capstone(args) -> int:
     import pandas as pd
 
-    from helpers.capstone import SEED_DEVICE, ablation_table, device_memory, latest_records
+    from helpers.lessons.putting_it_together import (
+        SEED_DEVICE,
+        ablation_table,
+        device_memory,
+        latest_records,
+    )
     from helpers.results import default_store, load
 
     path = args.results or default_store()
@@ -298,7 +304,7 @@ def _fit(args) -> int:
         return 0
     for row in fit_table(scale, card):
         detail = "; ".join(filter(None, [row.why, *row.skips]))
-        print(f"{row.lesson}  {row.status:<12} up to {row.need / 2**30:5.1f} GiB  {detail}")
+        print(f"{row.lesson}  {row.status:<12} up to {row.need / GiB:5.1f} GiB  {detail}")
     return 0
 
 
@@ -333,14 +339,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--model", required=True, help="config JSON path, bundled name, or hub id")
         p.add_argument("--batch-size", type=int, required=True)
         p.add_argument("--seq-len", type=int, required=True)
-        p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16", "fp16"])
-        p.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor | adamw8bit")
+        p.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
+        p.add_argument("--optimizer", default="adamw", help=" | ".join(OPTIMIZERS))
         p.add_argument("--gradient-checkpointing", action="store_true")
         p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (peft); 0: train all")
         p.add_argument(
             "--lora-targets", default="", help='LoRA modules: "q_proj,v_proj", "all-linear"'
         )
-        p.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
+        p.add_argument("--attn", default="eager", choices=list(ATTENTION))
         p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator)")
         p.add_argument("--warmup", type=int, default=1)
         p.add_argument("--repeats", type=int, default=3)

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
+from helpers.names import GiB, MiB
+
 DEVICE_ENV = "COURSE_DEVICE"  # cpu | cuda | cuda:1 | mps ... (default: the accelerator, else cpu)
 ALLOCATION_UNIT = 512  # bytes: the CUDA caching allocator rounds every block up to a multiple
 # A CUDA context is typically 300-600 MiB (driver state, kernels loaded lazily). Where this
 # process's own share cannot be read from NVML, the budget cap assumes this much.
-ASSUMED_CONTEXT = 512 * 2**20
+ASSUMED_CONTEXT = 512 * MiB
 # What the caching allocator reserves beyond the live tensors at a step's peak (fragmentation,
 # cached blocks, cuBLAS/cuDNN workspaces), as a share of the tensors: kept free when planning.
 RESERVE_MARGIN = 0.10
@@ -257,8 +259,8 @@ def cap_allocator(device: torch.device, budget: int) -> Cap:
     limit = min(budget, total) - context
     if limit <= 0:
         raise ValueError(
-            f"a budget of {budget / 2**30:.2f} GiB leaves nothing beside the CUDA context "
-            f"({context / 2**20:.0f} MiB): raise the budget"
+            f"a budget of {budget / GiB:.2f} GiB leaves nothing beside the CUDA context "
+            f"({context / MiB:.0f} MiB): raise the budget"
         )
     fraction = float(limit / total)
     torch.cuda.set_per_process_memory_fraction(fraction, dev)
@@ -396,7 +398,7 @@ def nvml_summary(device: torch.device | None = None) -> str:
         return f"NVML view unavailable: {err}"
     except Exception as err:  # an NVMLError from one query (e.g. NoPermission)
         return f"NVML view unavailable: {type(err).__name__}: {err}"
-    return f"NVML: {name}, driver {driver}, {total / 2**30:.1f} GiB"
+    return f"NVML: {name}, driver {driver}, {total / GiB:.1f} GiB"
 
 
 def nvml_used_bytes(device: torch.device | None) -> int | None:

@@ -61,7 +61,7 @@ Temporaries and the peak
     accumulation keeps every gradient alive through later micro-batches. The peak is the
     largest of these moments and ``peak_at`` names it ("backward: loss", "optimizer step"...).
 
-LoRA (``lora_r`` > 0, the adapters peft's ``get_peft_model`` adds; see helpers.lora)
+LoRA (``lora_r`` > 0, the adapters peft's ``get_peft_model`` adds: ``helpers.models.apply_lora``)
     The model is wrapped by peft on the meta device too, so the adapters are real tensors of
     the model and every frozen weight is marked not trainable: params = 4 B x (base +
     adapters), and gradients, optimizer state and optimizer scratch count the adapters only
@@ -71,7 +71,7 @@ LoRA (``lora_r`` > 0, the adapters peft's ``get_peft_model`` adds; see helpers.l
     a frozen Linear needs its weight, not its input, for the input gradient, so layers
     without an adapter (and every layer before the first adapter, whose input needs no
     gradient at all) save less than in full fine-tuning. The bound is measured in
-    tests/test_lora.py and lesson 13.
+    tests/test_peft_lora.py and lesson 13.
 
 The tracker's own conventions are followed (tensors recomputed outside a submodule, like
 Llama's residual sums, are temporaries; a tied weight's first gradient stays a temporary until
@@ -90,11 +90,9 @@ import torch
 
 from helpers.device import allocation_bytes
 from helpers.models import load_config, task_kind
-from helpers.optim_state import BNB_BLOCK, state_tensors, tracked_bytes
+from helpers.names import ATTENTION, AUTOCAST, OPTIMIZERS, PRECISION_BYTES
+from helpers.optimizer_state import BNB_BLOCK, state_tensors, tracked_bytes
 
-OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
-PRECISION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
-AUTOCAST = ("bf16", "fp16")
 FP32 = 4
 INT64 = 8
 
@@ -214,7 +212,7 @@ def describe_model(
     with torch.device("meta"):
         net = auto.from_config(config, attn_implementation=attn, dtype=torch.float32)
         if lora_r:
-            from helpers.lora import apply_lora
+            from helpers.models import apply_lora
 
             net = apply_lora(net, lora_r, lora_targets)
     owner = {}  # the first module that holds each parameter (for a tied weight: the embedding)
@@ -299,14 +297,14 @@ def training_state(
     return TrainingState(
         params=int(weight_bytes * n_params),
         gradients=int(weight_bytes * n_trainable),
-        optimizer_state=int(round(state)),
+        optimizer_state=round(state),
     )
 
 
 def optimizer_state_bytes(optimizer: str, params, device_type: str = "cpu") -> int:
     """Exact optimizer-state bytes for ``params`` (ParamInfo, or anything with shape/numel).
 
-    The per-optimizer rules are ``helpers.optim_state.state_tensors`` (lesson 06 checks them
+    The per-optimizer rules are ``helpers.optimizer_state.state_tensors`` (lesson 06 checks them
     tensor by tensor against real optimizers). On CUDA the bytes are the tracker's: each
     tensor rounded up to 512 B, and torch's step counters left out (they live on the CPU).
     """
@@ -423,392 +421,472 @@ def _cast_moment(
     ]
 
 
-def _encoder_stages(m: ModelInfo, z: _Shape, attn: str, gc: bool) -> list[Stage]:
-    """BERT (BertForSequenceClassification) as stages, following modeling_bert.py."""
+@dataclass(frozen=True)
+class _Bert:
+    """A BERT config's sizes for one step's shape: what each encoder block builder reads."""
+
+    m: ModelInfo
+    z: _Shape
+    gc: bool
+    h: int
+    a: int
+    inter: int
+    layers: int
+    labels: int
+    p_hidden: float
+    p_attn: float
+    p_cls: float
+    es: int  # bytes per attention probability
+    eq: int  # bytes per q/k/v copy kept by the score matmuls
+    math_sdpa: bool  # SDPA falls back to its math kernel (CPU, attention dropout)
+    fused: bool  # SDPA with a fused kernel: no a·s² tensor kept
+
+    @property
+    def th(self) -> int:
+        """Values in one hidden-sized activation."""
+        return self.z.t * self.h
+
+    @property
+    def g(self) -> int:
+        """The residual stream's gradient, fp32, alive through each layer's backward."""
+        return FP32 * self.th
+
+    @property
+    def scores(self) -> int:
+        """Values in one attention-score tensor (b, a, s, s)."""
+        return self.z.b * self.a * self.z.s * self.z.s
+
+
+def _bert(m: ModelInfo, z: _Shape, attn: str, gc: bool) -> _Bert:
+    """The sizes of ``m`` (a BERT config) that the encoder's block builders need."""
     c = m.config
-    h, a, inter, layers = (
-        c["hidden_size"],
-        c["num_attention_heads"],
-        c["intermediate_size"],
-        c["num_hidden_layers"],
-    )
-    vocab, positions = c["vocab_size"], c["max_position_embeddings"]
-    labels = len(c.get("id2label") or {}) or c.get("num_labels") or 2
     p_hidden, p_attn = c.get("hidden_dropout_prob", 0.0), c.get("attention_probs_dropout_prob", 0.0)
-    p_cls = c.get("classifier_dropout") or p_hidden
-    t, b, s, ea, dev = z.t, z.b, z.s, z.ea, z.dev
-    th, ti = t * h, t * inter
-    scores = b * a * s * s
     # Attention probabilities: CPU autocast runs softmax in 16 bits, CUDA autocast in fp32.
-    es = FP32 if (z.amp and dev == "cuda") else ea
-    eq = ea  # q, k, v copies kept by the score matmuls
+    es = FP32 if (z.amp and z.dev == "cuda") else z.ea
+    eq = z.ea
     # SDPA keeps no a·s^2 tensor, except on the CPU with dropout: there it runs the math
     # kernel, which keeps what eager keeps but computes in fp32 (it upcasts 16-bit inputs).
-    math_sdpa = attn == "sdpa" and dev == "cpu" and p_attn > 0
-    fused = attn == "sdpa" and not math_sdpa
+    math_sdpa = attn == "sdpa" and z.dev == "cpu" and p_attn > 0
     if math_sdpa:
         es = eq = FP32
-    g = FP32 * th  # the residual stream's gradient, fp32, alive through each layer's backward
-    stages: list[Stage] = []
+    return _Bert(
+        m=m, z=z, gc=gc, h=c["hidden_size"], a=c["num_attention_heads"],
+        inter=c["intermediate_size"], layers=c["num_hidden_layers"],
+        labels=len(c.get("id2label") or {}) or c.get("num_labels") or 2,
+        p_hidden=p_hidden, p_attn=p_attn, p_cls=c.get("classifier_dropout") or p_hidden,
+        es=es, eq=eq, math_sdpa=math_sdpa, fused=attn == "sdpa" and not math_sdpa,
+    )  # fmt: skip
 
-    emb = Stage("embed", grads=FP32 * m.stage_numel("embed"))
-    emb.saved = {
-        "embedding sum (LayerNorm input)": FP32 * th,
-        "LayerNorm mean, 1/std": 2 * FP32 * t,
-        "token-type ids": INT64 * s,
-    }
-    if p_hidden > 0:
-        emb.saved["dropout mask"] = th * _mask(FP32, dev)
-    if z.amp and not gc:  # not kept by the casting q/k/v; BertModel.forward holds it
-        emb.forward_only["embedding output"] = FP32 * th
-    # embedding_dense_backward makes a full-size gradient for each embedding table
-    emb.backward = [Moment(temp=2 * g + FP32 * max(vocab, positions) * h)]
-    stages.append(emb)
 
-    for i in range(layers):
-        name = f"L{i}.attn"
-        at = Stage(
-            name,
-            grads=FP32 * m.stage_numel(name),
-            copies=2 * m.stage_numel(name, cast_only=True) if z.amp else 0,
-        )
-        if z.amp:
-            at.saved["q/k/v input casts (3 x 16-bit)"] = 3 * 2 * th
-        else:
-            at.saved["layer input (q/k/v input)"] = FP32 * th
-        if fused:
-            at.saved["q, k, v"] = 3 * ea * th
-            at.saved["attention output"] = ea * th
-            at.saved["log-sum-exp"] = b * a * (s if dev == "cpu" else 32 * math.ceil(s / 32)) * FP32
-        else:
-            at.saved["q, k, v contiguous copies (matmul)"] = 3 * eq * th
-            at.saved["attention probabilities"] = es * scores
-            if p_attn > 0:
-                at.saved["attention dropout mask"] = _mask(es, dev) * scores
-                at.saved["dropped probabilities"] = (es if math_sdpa else ea) * scores
-            at.saved["context (.contiguous(), dense input)"] = ea * th
-        if p_hidden > 0:
-            at.saved["output dropout mask"] = _mask(ea, dev) * th
-        at.saved["residual sum (LayerNorm input)"] = FP32 * th
-        at.saved["LayerNorm mean, 1/std"] = 2 * FP32 * t
-        at.transient = {"output dropout result": ea * th, "LayerNorm output": FP32 * th}
-        if z.amp:
-            at.transient["layer input (residual)"] = FP32 * th
-        ln = FP32 * th + 2 * FP32 * t + (_mask(ea, dev) * th if p_hidden > 0 else 0)
-        o_copy = 2 * (h * h + h) if z.amp else 0
-        w = _weight_grad(h * h, z)
-        ln_grads = FP32 * 2 * h
-        o_grads = ln_grads + FP32 * (h * h + h)
-        first = Moment(g + 2 * ea * th + w, released=ln, grads_done=ln_grads)
-        at.backward = [first, *_cast_moment(g + ea * th, h * h, z, first, o_copy)]
-        if fused:  # the kernel's backward: gradients of q, k, v at once
-            at.backward.append(
-                Moment(
-                    g + ea * th + 3 * ea * th,
-                    released=ln,
-                    grads_done=o_grads,
-                    copies_released=o_copy,
-                )
-            )
-            inputs = ("layer input (q/k/v input)", "q/k/v input casts (3 x 16-bit)")
-            qkv_released = sum(v for k, v in at.saved.items() if k not in inputs)
-        else:
-            p = at.saved.get("attention dropout mask", 0)
-            dropped = at.saved.get("dropped probabilities", 0)
-            probs = at.saved["attention probabilities"]
-            ctx = ea * th
-            at.backward += [
-                # bmm(probs, v) backward: gradient of the (dropped) probabilities and of v
-                Moment(
-                    g + (FP32 if math_sdpa else ea) * th + es * scores + eq * th,
-                    released=ln + ctx,
-                    grads_done=o_grads,
-                    copies_released=o_copy,
-                ),
-                # dropout and softmax backward: two score-sized gradients
-                Moment(
-                    g + eq * th + 2 * es * scores,
-                    released=ln + ctx + dropped + eq * th,
-                    grads_done=o_grads,
-                    copies_released=o_copy,
-                ),
-                # bmm(q, k^T) backward: gradient of the scores, of q and of k
-                Moment(
-                    g + 3 * eq * th + es * scores,
-                    released=ln + ctx + dropped + eq * th + p + probs,
-                    grads_done=o_grads,
-                    copies_released=o_copy,
-                ),
-            ]
-            qkv_released = ln + ctx + dropped + 3 * eq * th + p + probs
-        # q, k, v projections' backward: three input gradients summed, one weight gradient
-        at.backward.append(
-            Moment(
-                g + 3 * eq * th + ea * th + w,
-                released=qkv_released,
-                grads_done=o_grads,
-                copies_released=o_copy,
-            )
-        )
-
-        name = f"L{i}.mlp"
-        mlp = Stage(
-            name,
-            grads=FP32 * m.stage_numel(name),
-            copies=2 * m.stage_numel(name, cast_only=True) if z.amp else 0,
-        )
-        if z.amp:
-            mlp.saved["intermediate input cast"] = 2 * th
-        else:
-            mlp.saved["intermediate input (attention LayerNorm output)"] = FP32 * th
-        mlp.saved["GELU input"] = ea * ti
-        mlp.saved["GELU output"] = ea * ti
-        if p_hidden > 0:
-            mlp.saved["output dropout mask"] = _mask(ea, dev) * th
-        mlp.saved["residual sum (LayerNorm input)"] = FP32 * th
-        mlp.saved["LayerNorm mean, 1/std"] = 2 * FP32 * t
-        mlp.transient = {"output dropout result": ea * th, "layer output": FP32 * th}
-        if z.amp:
-            mlp.transient["attention LayerNorm output (residual)"] = FP32 * th
-            mlp.transient["layer input (encoder loop variable)"] = FP32 * th
-        w = _weight_grad(h * inter, z)
-        out_copy = 2 * (inter * h + h) if z.amp else 0
-        first = Moment(g + ea * th + ea * ti + w, released=ln, grads_done=ln_grads)
-        mlp.backward = [
-            first,
-            *_cast_moment(g + ea * ti, h * inter, z, first, out_copy),
-            # GELU backward's input gradient stays until the next node is done with its output
-            Moment(
-                g + ea * th + 2 * ea * ti + w,
-                released=ln + 2 * ea * ti,
-                grads_done=FP32 * (inter * h + 3 * h),
-                copies_released=out_copy,
-            ),
-        ]
+def _encoder_stages(m: ModelInfo, z: _Shape, attn: str, gc: bool) -> list[Stage]:
+    """BERT (BertForSequenceClassification) as stages, following modeling_bert.py."""
+    x = _bert(m, z, attn, gc)
+    stages = [_bert_embed(x)]
+    for i in range(x.layers):
+        at, mlp = _bert_attention(x, i), _bert_mlp(x, i)
         if gc:
             at.region = mlp.region = i
-            at.checkpoint_input = FP32 * th
+            at.checkpoint_input = FP32 * x.th
             at.input_in_saved = not z.amp  # under autocast the layer keeps 16-bit casts instead
             # At the end of a recomputation the layer's LayerNorm output and the dropout result
             # that feeds it are alive (and under autocast the attention LayerNorm output, the
             # residual, that no one saves); the recomputed output itself is then dropped.
-            mlp.recompute_transient = FP32 * th + ea * th + (FP32 * th if z.amp else 0)
+            mlp.recompute_transient = FP32 * x.th + z.ea * x.th + (FP32 * x.th if z.amp else 0)
         stages += [at, mlp]
+    return [*stages, *_bert_head_and_loss(x)]
 
-    head = Stage(
-        "head",
-        grads=FP32 * m.stage_numel("head"),
-        copies=2 * m.stage_numel("head", cast_only=True) if z.amp else 0,
-    )
-    small = b * h
+
+def _bert_embed(x: _Bert) -> Stage:
+    """Word, position and token-type embeddings, summed, LayerNorm, dropout."""
+    c, th, t = x.m.config, x.th, x.z.t
+    emb = Stage("embed", grads=FP32 * x.m.stage_numel("embed"))
+    emb.saved = {
+        "embedding sum (LayerNorm input)": FP32 * th,
+        "LayerNorm mean, 1/std": 2 * FP32 * t,
+        "token-type ids": INT64 * x.z.s,
+    }
+    if x.p_hidden > 0:
+        emb.saved["dropout mask"] = th * _mask(FP32, x.z.dev)
+    if x.z.amp and not x.gc:  # not kept by the casting q/k/v; BertModel.forward holds it
+        emb.forward_only["embedding output"] = FP32 * th
+    # embedding_dense_backward makes a full-size gradient for each embedding table
+    widest = max(c["vocab_size"], c["max_position_embeddings"])
+    emb.backward = [Moment(temp=2 * x.g + FP32 * widest * x.h)]
+    return emb
+
+
+def _bert_attention(x: _Bert, i: int) -> Stage:
+    """Self-attention (q, k, v, scores, softmax, dropout, context), output dense, LayerNorm."""
+    z, th, ea, name = x.z, x.th, x.z.ea, f"L{i}.attn"
+    copies = 2 * x.m.stage_numel(name, cast_only=True) if z.amp else 0
+    at = Stage(name, grads=FP32 * x.m.stage_numel(name), copies=copies)
+    if z.amp:
+        at.saved["q/k/v input casts (3 x 16-bit)"] = 3 * 2 * th
+    else:
+        at.saved["layer input (q/k/v input)"] = FP32 * th
+    if x.fused:
+        at.saved["q, k, v"] = 3 * ea * th
+        at.saved["attention output"] = ea * th
+        lse_len = z.s if z.dev == "cpu" else 32 * math.ceil(z.s / 32)
+        at.saved["log-sum-exp"] = z.b * x.a * lse_len * FP32
+    else:
+        at.saved["q, k, v contiguous copies (matmul)"] = 3 * x.eq * th
+        at.saved["attention probabilities"] = x.es * x.scores
+        if x.p_attn > 0:
+            at.saved["attention dropout mask"] = _mask(x.es, z.dev) * x.scores
+            at.saved["dropped probabilities"] = (x.es if x.math_sdpa else ea) * x.scores
+        at.saved["context (.contiguous(), dense input)"] = ea * th
+    if x.p_hidden > 0:
+        at.saved["output dropout mask"] = _mask(ea, z.dev) * th
+    at.saved["residual sum (LayerNorm input)"] = FP32 * th
+    at.saved["LayerNorm mean, 1/std"] = 2 * FP32 * z.t
+    at.transient = {"output dropout result": ea * th, "LayerNorm output": FP32 * th}
+    if z.amp:
+        at.transient["layer input (residual)"] = FP32 * th
+    at.backward = _bert_attention_backward(x, at)
+    return at
+
+
+def _bert_layernorm_keep(x: _Bert) -> int:
+    """What a sub-block's output dropout, residual sum and LayerNorm keep for backward."""
+    mask = _mask(x.z.ea, x.z.dev) * x.th if x.p_hidden > 0 else 0
+    return FP32 * x.th + 2 * FP32 * x.z.t + mask
+
+
+def _bert_attention_backward(x: _Bert, at: Stage) -> list[Moment]:
+    """The attention block's backward, node by node, from the output dense to q, k, v."""
+    z, th, ea, eq, g, scores = x.z, x.th, x.z.ea, x.eq, x.g, x.scores
+    ln = _bert_layernorm_keep(x)
+    o_copy = 2 * (x.h * x.h + x.h) if z.amp else 0
+    w = _weight_grad(x.h * x.h, z)
+    ln_grads = FP32 * 2 * x.h
+    o_grads = ln_grads + FP32 * (x.h * x.h + x.h)
+    first = Moment(g + 2 * ea * th + w, released=ln, grads_done=ln_grads)
+    moments = [first, *_cast_moment(g + ea * th, x.h * x.h, z, first, o_copy)]
+    after_o = {"grads_done": o_grads, "copies_released": o_copy}
+    if x.fused:  # the kernel's backward: gradients of q, k, v at once
+        moments.append(Moment(g + ea * th + 3 * ea * th, released=ln, **after_o))
+        inputs = FP32 * th if not z.amp else 3 * 2 * th  # the q/k/v input, kept to the end
+        qkv_released = sum(at.saved.values()) - inputs
+    else:
+        mask = _mask(x.es, z.dev) * scores if x.p_attn > 0 else 0
+        dropped = (x.es if x.math_sdpa else ea) * scores if x.p_attn > 0 else 0
+        probs, ctx = x.es * scores, ea * th
+        moments += [
+            # bmm(probs, v) backward: gradient of the (dropped) probabilities and of v
+            Moment(
+                g + (FP32 if x.math_sdpa else ea) * th + x.es * scores + eq * th,
+                released=ln + ctx,
+                **after_o,
+            ),
+            # dropout and softmax backward: two score-sized gradients
+            Moment(
+                g + eq * th + 2 * x.es * scores, released=ln + ctx + dropped + eq * th, **after_o
+            ),
+            # bmm(q, k^T) backward: gradient of the scores, of q and of k
+            Moment(
+                g + 3 * eq * th + x.es * scores,
+                released=ln + ctx + dropped + eq * th + mask + probs,
+                **after_o,
+            ),
+        ]
+        qkv_released = ln + ctx + dropped + 3 * eq * th + mask + probs
+    # q, k, v projections' backward: three input gradients summed, one weight gradient
+    moments.append(Moment(g + 3 * eq * th + ea * th + w, released=qkv_released, **after_o))
+    return moments
+
+
+def _bert_mlp(x: _Bert, i: int) -> Stage:
+    """Intermediate dense, GELU, output dense, dropout, residual sum, LayerNorm."""
+    z, th, ea, name = x.z, x.th, x.z.ea, f"L{i}.mlp"
+    ti = z.t * x.inter
+    copies = 2 * x.m.stage_numel(name, cast_only=True) if z.amp else 0
+    mlp = Stage(name, grads=FP32 * x.m.stage_numel(name), copies=copies)
+    if z.amp:
+        mlp.saved["intermediate input cast"] = 2 * th
+    else:
+        mlp.saved["intermediate input (attention LayerNorm output)"] = FP32 * th
+    mlp.saved["GELU input"] = ea * ti
+    mlp.saved["GELU output"] = ea * ti
+    if x.p_hidden > 0:
+        mlp.saved["output dropout mask"] = _mask(ea, z.dev) * th
+    mlp.saved["residual sum (LayerNorm input)"] = FP32 * th
+    mlp.saved["LayerNorm mean, 1/std"] = 2 * FP32 * z.t
+    mlp.transient = {"output dropout result": ea * th, "layer output": FP32 * th}
+    if z.amp:
+        mlp.transient["attention LayerNorm output (residual)"] = FP32 * th
+        mlp.transient["layer input (encoder loop variable)"] = FP32 * th
+    ln, g = _bert_layernorm_keep(x), x.g
+    w = _weight_grad(x.h * x.inter, z)
+    out_copy = 2 * (x.inter * x.h + x.h) if z.amp else 0
+    first = Moment(g + ea * th + ea * ti + w, released=ln, grads_done=FP32 * 2 * x.h)
+    mlp.backward = [
+        first,
+        *_cast_moment(g + ea * ti, x.h * x.inter, z, first, out_copy),
+        # GELU backward's input gradient stays until the next node is done with its output
+        Moment(
+            g + ea * th + 2 * ea * ti + w,
+            released=ln + 2 * ea * ti,
+            grads_done=FP32 * (x.inter * x.h + 3 * x.h),
+            copies_released=out_copy,
+        ),
+    ]
+    return mlp
+
+
+def _bert_head_and_loss(x: _Bert) -> list[Stage]:
+    """The pooler (token 0, dense, tanh), dropout, the classifier, and the loss."""
+    z, ea, b = x.z, x.z.ea, x.z.b
+    copies = 2 * x.m.stage_numel("head", cast_only=True) if z.amp else 0
+    head = Stage("head", grads=FP32 * x.m.stage_numel("head"), copies=copies)
+    small = b * x.h
     if z.amp:
         head.saved["pooler input cast (token 0)"] = 2 * small
-        head.forward_only["last hidden state (held by the output)"] = FP32 * th
+        head.forward_only["last hidden state (held by the output)"] = FP32 * x.th
     else:  # hidden[:, 0] is a view: the pooler's matmul keeps the whole tensor alive
-        head.saved["last hidden state (the pooler keeps a view of it)"] = FP32 * th
+        head.saved["last hidden state (the pooler keeps a view of it)"] = FP32 * x.th
     head.saved["pooler tanh output"] = ea * small
-    if p_cls > 0:
-        head.saved["classifier dropout mask"] = _mask(ea, dev) * small
+    if x.p_cls > 0:
+        head.saved["classifier dropout mask"] = _mask(ea, z.dev) * small
     head.saved["classifier input"] = ea * small
-    head.backward = [Moment(temp=g + 3 * ea * small)]  # select's backward: zeros(b, s, h)
-    loss = Stage("loss", saved={"log-softmax": FP32 * b * labels, "loss scalars": 8})
-    loss.backward = [Moment(temp=2 * FP32 * b * labels)]
-    return stages + [head, loss]
+    head.backward = [Moment(temp=x.g + 3 * ea * small)]  # select's backward: zeros(b, s, h)
+    loss = Stage("loss", saved={"log-softmax": FP32 * b * x.labels, "loss scalars": 8})
+    loss.backward = [Moment(temp=2 * FP32 * b * x.labels)]
+    return [head, loss]
+
+
+@dataclass(frozen=True)
+class _Decoder:
+    """A Llama-style config's sizes for one step's shape: what each decoder block builder reads."""
+
+    m: ModelInfo
+    z: _Shape
+    gc: bool
+    h: int
+    a: int
+    kv: int  # key/value heads (fewer than a with grouped-query attention)
+    d: int  # head dimension
+    layers: int
+    vocab: int
+    p_attn: float
+    use_cache: bool  # the forward builds a KV cache (not under checkpointing)
+    math_sdpa: bool  # SDPA falls back to its math kernel (CPU, attention dropout)
+    fused: bool  # SDPA with a fused kernel: no a·s² tensor kept
+    eager_mask: int  # bytes of the causal mask eager attention builds
+
+    @property
+    def th(self) -> int:
+        """Values in one hidden-sized activation."""
+        return self.z.t * self.h
+
+    @property
+    def tq(self) -> int:
+        """Values in the queries (all heads)."""
+        return self.z.t * self.a * self.d
+
+    @property
+    def tkv(self) -> int:
+        """Values in the keys, or in the values (key/value heads only)."""
+        return self.z.t * self.kv * self.d
+
+    @property
+    def g(self) -> int:
+        """The residual stream's gradient, fp32."""
+        return FP32 * self.th
+
+    @property
+    def scores(self) -> int:
+        """Values in one attention-score tensor (b, a, s, s)."""
+        return self.z.b * self.a * self.z.s * self.z.s
+
+
+def _decoder(m: ModelInfo, z: _Shape, attn: str, gc: bool) -> _Decoder:
+    """The sizes of ``m`` (a Llama-style config) that the decoder's block builders need."""
+    c = m.config
+    a = c["num_attention_heads"]
+    p_attn = c.get("attention_dropout", 0.0) or 0.0
+    # SDPA on the CPU with attention dropout runs the math kernel: like eager, but it upcasts
+    # q, k, v to fp32, repeats k and v itself, and builds the causal mask internally.
+    math_sdpa = attn == "sdpa" and z.dev == "cpu" and p_attn > 0
+    return _Decoder(
+        m=m, z=z, gc=gc, h=c["hidden_size"], a=a, kv=c.get("num_key_value_heads") or a,
+        d=c.get("head_dim") or c["hidden_size"] // a, layers=c["num_hidden_layers"],
+        vocab=c["vocab_size"], p_attn=p_attn,
+        use_cache=bool(c.get("use_cache", True)) and not gc, math_sdpa=math_sdpa,
+        fused=attn == "sdpa" and not math_sdpa,
+        eager_mask=FP32 * z.b * z.s * z.s if attn == "eager" else 0,
+    )  # fmt: skip
 
 
 def _decoder_stages(m: ModelInfo, z: _Shape, attn: str, gc: bool) -> list[Stage]:
     """Llama-style decoders (Llama, Mistral, Qwen2) and Mixtral's MoE, as stages."""
-    c = m.config
-    h, a, layers, vocab = (
-        c["hidden_size"],
-        c["num_attention_heads"],
-        c["num_hidden_layers"],
-        c["vocab_size"],
-    )
-    kv = c.get("num_key_value_heads") or a
-    d = c.get("head_dim") or h // a
-    p_attn = c.get("attention_dropout", 0.0) or 0.0
-    t, b, s, ea, dev = z.t, z.b, z.s, z.ea, z.dev
-    th, tq, tkv = t * h, t * a * d, t * kv * d
-    scores = b * a * s * s
-    use_cache = bool(c.get("use_cache", True)) and not gc
-    # SDPA on the CPU with attention dropout runs the math kernel: like eager, but it upcasts
-    # q, k, v to fp32, repeats k and v itself, and builds the causal mask internally.
-    math_sdpa = attn == "sdpa" and dev == "cpu" and p_attn > 0
-    fused = attn == "sdpa" and not math_sdpa
-    eager_mask = FP32 * b * s * s if attn == "eager" else 0
-    g = FP32 * th  # the residual stream's gradient, fp32
-    stages: list[Stage] = []
-
-    emb = Stage("embed", grads=0 if m.tied else FP32 * m.stage_numel("embed"))
-    emb.saved["rotary cos, sin"] = 2 * FP32 * s * d
-    if gc:  # the checkpoints keep the layers' arguments
-        emb.saved["causal mask (checkpoint argument)"] = eager_mask
-        emb.saved["position ids"] = INT64 * s
-    if m.tied:  # the head's gradient for the shared weight, this one, and their sum
-        emb.backward = [Moment(temp=g + 2 * FP32 * vocab * h)]
-    else:  # embedding_dense_backward: a full-size gradient
-        emb.backward = [Moment(temp=g + FP32 * vocab * h)]
-    stages.append(emb)
-
-    def rmsnorm(stage: Stage, label: str) -> None:
-        stage.saved[f"{label} input (residual stream)"] = FP32 * th
-        stage.saved[f"{label} 1/rms"] = FP32 * t
-        stage.saved[f"{label} normalised"] = FP32 * th
-
-    for i in range(layers):
-        name = f"L{i}.attn"
-        at = _normed_stage(m, z, name, rmsnorm, "input", "q/k/v", 3)
-        cache_saved = False
-        if fused:
-            if z.amp:
-                at.saved["q, k, v 16-bit casts"] = 2 * (tq + 2 * tkv)
-            else:
-                at.saved["q (after RoPE)"] = FP32 * tq
-                at.saved["k, v" + (" (the KV-cache tensors)" if use_cache else "")] = 2 * FP32 * tkv
-                cache_saved = use_cache
-            at.saved["attention output"] = ea * tq
-            at.saved["log-sum-exp"] = FP32 * b * a * (s if dev == "cpu" else 32 * math.ceil(s / 32))
-        else:
-            if math_sdpa:
-                at.saved["q scaled, k, v repeated (fp32, math kernel)"] = 3 * FP32 * tq
-            elif z.amp:
-                at.saved["q, k, v 16-bit copies (k, v repeated to all heads)"] = 3 * 2 * tq
-            elif a // kv > 1 or not use_cache:
-                at.saved["q, k, v copies (matmul; k, v repeated to all heads)"] = 3 * FP32 * tq
-            else:  # MHA reading the contiguous cache tensors: only q is copied
-                at.saved["q copy (matmul)"] = FP32 * tq
-                at.saved["k, v (the KV-cache tensors)"] = 2 * FP32 * tkv
-                cache_saved = True
-            at.saved["attention probabilities (fp32 softmax)"] = FP32 * scores
-            if p_attn > 0:
-                at.saved["attention dropout mask"] = _mask(FP32, dev) * scores
-            if z.amp and not math_sdpa:  # the matmul with v keeps a 16-bit copy
-                at.saved["attention probabilities 16-bit copy"] = 2 * scores
-            elif p_attn > 0:
-                at.saved["dropped probabilities"] = FP32 * scores
-            at.saved["context (o_proj input)"] = ea * tq
-        if use_cache and not cache_saved:
-            at.forward_only["KV cache (fp32, held by the model output)"] = 2 * FP32 * tkv
-        at.transient = {"o_proj output": ea * th, "residual sum": FP32 * th}
-        if not fused:
-            at.transient["masked scores (softmax input)"] = FP32 * scores
-            if not gc:
-                at.transient["causal mask"] = eager_mask
-        keep = (
-            at.saved["input RMSNorm input (residual stream)"]
-            + at.saved["input RMSNorm 1/rms"]
-            + at.saved["input RMSNorm normalised"]
-        )
-        o_copy = 2 * m.numel_named(name, "o_proj") if z.amp else 0
-        w = _weight_grad(h * a * d, z)
-        o_grads = FP32 * m.numel_named(name, "o_proj")
-        ctx = ea * tq
-        first = Moment(g + (2 * th if z.amp else 0) + ea * tq + w)
-        at.backward = [first, *_cast_moment(g + ea * tq, h * a * d, z, first, o_copy)]
-        if fused:  # the kernel's backward: gradients of q, k, v at once
-            at.backward.append(
-                Moment(
-                    g + ea * tq + ea * (tq + 2 * tkv),
-                    released=0,
-                    grads_done=o_grads,
-                    copies_released=o_copy,
-                )
-            )
-        else:
-            qkv = sum(
-                v for k, v in at.saved.items() if k.startswith(("q,", "q copy", "k, v", "q s"))
-            )
-            probs = sum(v for k, v in at.saved.items() if "probabilities" in k or "mask" in k)
-            eg = FP32 if math_sdpa else ea  # the math kernel's gradients are fp32
-            at.backward += [
-                # bmm(probs, v) backward: gradients of the probabilities and of v
-                Moment(
-                    g + ea * tq + eg * scores + eg * tq,
-                    released=ctx,
-                    grads_done=o_grads,
-                    copies_released=o_copy,
-                ),
-                # softmax backward in fp32 (under autocast after casting the gradient up)
-                Moment(
-                    g + eg * tq + 2 * FP32 * scores,
-                    released=ctx + qkv // 3,
-                    grads_done=o_grads,
-                    copies_released=o_copy,
-                ),
-                # bmm(q, k^T) backward: gradients of the scores, q and k
-                Moment(
-                    g + 3 * eg * tq + eg * scores,
-                    released=ctx + qkv // 3 + probs,
-                    grads_done=o_grads,
-                    copies_released=o_copy,
-                ),
-            ]
-        # RoPE runs in fp32: q and k gradients in fp32, then the projections' backward
-        at.backward += [
-            Moment(
-                g + FP32 * (tq + 2 * tkv) + ea * th + w,
-                released=sum(at.saved.values())
-                - keep
-                - at.saved.get("input RMSNorm output (q/k/v input)", 0)
-                - at.saved.get("q/k/v input casts (3 x 16-bit)", 0),
-                grads_done=o_grads,
-                copies_released=o_copy,
-            ),
-            Moment(
-                4 * g,
-                released=sum(at.saved.values()) - keep,
-                grads_done=at.grads - FP32 * h,
-                copies_released=at.copies,
-            ),
-        ]
-        stages.append(at)
-        stages.append((_moe_stage if m.family == "moe" else _mlp_stage)(m, z, i, rmsnorm))
+    x = _decoder(m, z, attn, gc)
+    stages = [_decoder_embed(x)]
+    mlp_stage = _moe_stage if m.family == "moe" else _mlp_stage
+    for i in range(x.layers):
+        at, mlp = _decoder_attention(x, i), mlp_stage(m, z, i)
         if gc:
-            stages[-2].region = stages[-1].region = i
-            stages[-2].checkpoint_input = FP32 * th
+            at.region = mlp.region = i
+            at.checkpoint_input = FP32 * x.th
             # The post-attention residual sum is computed in the decoder layer's own forward,
             # outside any submodule: the tracker labels its recomputation a temporary.
-            stages[-1].recompute_temp = FP32 * th
+            mlp.recompute_temp = FP32 * x.th
             # Recomputation stops once the last saved tensor is rebuilt; under autocast the
             # post-attention RMSNorm output (not saved: the MLP keeps 16-bit casts) is still
             # held by the decoder layer at that point.
-            stages[-1].recompute_transient += FP32 * th if z.amp else 0
+            mlp.recompute_transient += FP32 * x.th if z.amp else 0
+        stages += [at, mlp]
+    return [*stages, *_decoder_head_and_loss(x)]
 
-    head = Stage(
-        "head",
-        copies=2 * (m.stage_numel("head", cast_only=True) + (vocab * h if m.tied else 0))
-        if z.amp
-        else 0,
-    )
+
+def _decoder_embed(x: _Decoder) -> Stage:
+    """The token embedding, the rotary tables, and what the checkpoints keep as arguments."""
+    m, g = x.m, x.g
+    emb = Stage("embed", grads=0 if m.tied else FP32 * m.stage_numel("embed"))
+    emb.saved["rotary cos, sin"] = 2 * FP32 * x.z.s * x.d
+    if x.gc:  # the checkpoints keep the layers' arguments
+        emb.saved["causal mask (checkpoint argument)"] = x.eager_mask
+        emb.saved["position ids"] = INT64 * x.z.s
+    if m.tied:  # the head's gradient for the shared weight, this one, and their sum
+        emb.backward = [Moment(temp=g + 2 * FP32 * x.vocab * x.h)]
+    else:  # embedding_dense_backward: a full-size gradient
+        emb.backward = [Moment(temp=g + FP32 * x.vocab * x.h)]
+    return emb
+
+
+def _decoder_attention(x: _Decoder, i: int) -> Stage:
+    """Input RMSNorm, q/k/v projections with RoPE, attention, o_proj, residual sum."""
+    z, ea, tq, tkv, scores = x.z, x.z.ea, x.tq, x.tkv, x.scores
+    at = _normed_stage(x.m, z, f"L{i}.attn", "input", "q/k/v", 3)
+    qkv = probs = 0  # bytes of the saved q/k/v copies, and of the probabilities and masks
+    cache_saved = False
+    if x.fused:
+        if z.amp:
+            at.saved["q, k, v 16-bit casts"] = 2 * (tq + 2 * tkv)
+        else:
+            at.saved["q (after RoPE)"] = FP32 * tq
+            at.saved["k, v" + (" (the KV-cache tensors)" if x.use_cache else "")] = 2 * FP32 * tkv
+            cache_saved = x.use_cache
+        at.saved["attention output"] = ea * tq
+        lse_len = z.s if z.dev == "cpu" else 32 * math.ceil(z.s / 32)
+        at.saved["log-sum-exp"] = FP32 * z.b * x.a * lse_len
+    else:
+        if x.math_sdpa:
+            qkv += _put(at, "q scaled, k, v repeated (fp32, math kernel)", 3 * FP32 * tq)
+        elif z.amp:
+            qkv += _put(at, "q, k, v 16-bit copies (k, v repeated to all heads)", 3 * 2 * tq)
+        elif x.a // x.kv > 1 or not x.use_cache:
+            qkv += _put(at, "q, k, v copies (matmul; k, v repeated to all heads)", 3 * FP32 * tq)
+        else:  # MHA reading the contiguous cache tensors: only q is copied
+            qkv += _put(at, "q copy (matmul)", FP32 * tq)
+            qkv += _put(at, "k, v (the KV-cache tensors)", 2 * FP32 * tkv)
+            cache_saved = True
+        probs += _put(at, "attention probabilities (fp32 softmax)", FP32 * scores)
+        if x.p_attn > 0:
+            probs += _put(at, "attention dropout mask", _mask(FP32, z.dev) * scores)
+        if z.amp and not x.math_sdpa:  # the matmul with v keeps a 16-bit copy
+            probs += _put(at, "attention probabilities 16-bit copy", 2 * scores)
+        elif x.p_attn > 0:
+            probs += _put(at, "dropped probabilities", FP32 * scores)
+        at.saved["context (o_proj input)"] = ea * tq
+    if x.use_cache and not cache_saved:
+        at.forward_only["KV cache (fp32, held by the model output)"] = 2 * FP32 * tkv
+    at.transient = {"o_proj output": ea * x.th, "residual sum": FP32 * x.th}
+    if not x.fused:
+        at.transient["masked scores (softmax input)"] = FP32 * scores
+        if not x.gc:
+            at.transient["causal mask"] = x.eager_mask
+    at.backward = _decoder_attention_backward(x, at, qkv, probs)
+    return at
+
+
+def _put(stage: Stage, label: str, nbytes: int) -> int:
+    """Add a saved tensor of ``nbytes`` to ``stage`` under ``label``; return its bytes."""
+    stage.saved[label] = nbytes
+    return nbytes
+
+
+def _decoder_attention_backward(x: _Decoder, at: Stage, qkv: int, probs: int) -> list[Moment]:
+    """The attention block's backward, node by node, from o_proj to the input RMSNorm."""
+    z, ea, g, tq, tkv, scores = x.z, x.z.ea, x.g, x.tq, x.tkv, x.scores
+    o_numel = x.m.numel_named(at.name, "o_proj")
+    o_copy = 2 * o_numel if z.amp else 0
+    w = _weight_grad(x.h * x.a * x.d, z)
+    ctx = ea * tq
+    first = Moment(g + (2 * x.th if z.amp else 0) + ea * tq + w)
+    moments = [first, *_cast_moment(g + ea * tq, x.h * x.a * x.d, z, first, o_copy)]
+    after_o = {"grads_done": FP32 * o_numel, "copies_released": o_copy}
+    if x.fused:  # the kernel's backward: gradients of q, k, v at once
+        moments.append(Moment(g + ea * tq + ea * (tq + 2 * tkv), released=0, **after_o))
+    else:
+        eg = FP32 if x.math_sdpa else ea  # the math kernel's gradients are fp32
+        moments += [
+            # bmm(probs, v) backward: gradients of the probabilities and of v
+            Moment(g + ea * tq + eg * scores + eg * tq, released=ctx, **after_o),
+            # softmax backward in fp32 (under autocast after casting the gradient up)
+            Moment(g + eg * tq + 2 * FP32 * scores, released=ctx + qkv // 3, **after_o),
+            # bmm(q, k^T) backward: gradients of the scores, q and k
+            Moment(g + 3 * eg * tq + eg * scores, released=ctx + qkv // 3 + probs, **after_o),
+        ]
+    # RoPE runs in fp32: q and k gradients in fp32, then the projections' backward. The input
+    # RMSNorm's tensors stay to the end, the projections' input until their backward.
+    saved, norm = sum(at.saved.values()), _rmsnorm_bytes(z, x.h)
+    proj_input = 3 * 2 * x.th if z.amp else FP32 * x.th
+    last = {"grads_done": at.grads - FP32 * x.h, "copies_released": at.copies}
+    moments += [
+        Moment(
+            g + FP32 * (tq + 2 * tkv) + ea * x.th + w, released=saved - norm - proj_input, **after_o
+        ),
+        Moment(4 * g, released=saved - norm, **last),
+    ]
+    return moments
+
+
+def _decoder_head_and_loss(x: _Decoder) -> list[Stage]:
+    """The final RMSNorm, lm_head (maybe tied to the embedding), and the causal-LM loss."""
+    m, z, ea, t, vocab, h = x.m, x.z, x.z.ea, x.z.t, x.vocab, x.h
+    cast = m.stage_numel("head", cast_only=True) + (vocab * h if m.tied else 0)
+    head = Stage("head", copies=2 * cast if z.amp else 0)
     head.grads = FP32 * m.stage_numel("head")
     if m.tied:  # the shared weight's gradient stays a temporary until the embedding adds its own
         head.pending_grads = FP32 * vocab * h
-    rmsnorm(head, "final RMSNorm")
+    _rmsnorm(head, "final RMSNorm", z, h)
     if z.amp:
-        head.saved["lm_head input cast"] = 2 * th
-        head.forward_only["final RMSNorm output (held by the model output)"] = FP32 * th
+        head.saved["lm_head input cast"] = 2 * x.th
+        head.forward_only["final RMSNorm output (held by the model output)"] = FP32 * x.th
     else:
-        head.saved["final RMSNorm output (lm_head input)"] = FP32 * th
+        head.saved["final RMSNorm output (lm_head input)"] = FP32 * x.th
     head.forward_only["logits (held by the model output)"] = ea * t * vocab
     lm_copy = 2 * vocab * h if z.amp else 0
     first = Moment(
-        FP32 * t * vocab + (2 * t * vocab if z.amp else 0) + ea * th + _weight_grad(vocab * h, z)
+        FP32 * t * vocab + (2 * t * vocab if z.amp else 0) + ea * x.th + _weight_grad(vocab * h, z)
     )
     head.backward = [
         first,
-        *_cast_moment(ea * th, vocab * h, z, first, lm_copy),
-        Moment(4 * g, grads_done=FP32 * vocab * h, copies_released=head.copies),
+        *_cast_moment(ea * x.th, vocab * h, z, first, lm_copy),
+        Moment(4 * x.g, grads_done=FP32 * vocab * h, copies_released=head.copies),
     ]
     loss = Stage("loss", saved={"log-softmax (fp32)": FP32 * t * vocab, "loss scalars": 8})
-    loss.forward_only = {"labels, padded and shifted": INT64 * (b * (s + 1) + t)}
+    loss.forward_only = {"labels, padded and shifted": INT64 * (z.b * (z.s + 1) + t)}
     if z.amp:
         loss.transient = {"logits upcast to fp32 by the loss": FP32 * t * vocab}
     loss.backward = [Moment(temp=2 * FP32 * t * vocab)]  # nll grad + log-softmax grad
-    return stages + [head, loss]
+    return [head, loss]
 
 
-def _normed_stage(m: ModelInfo, z: _Shape, name: str, rmsnorm, norm: str, to: str, n: int):
+def _rmsnorm(stage: Stage, label: str, z: _Shape, h: int) -> None:
+    """An RMSNorm's saved tensors: its input, 1/rms per token, the normalised values."""
+    stage.saved[f"{label} input (residual stream)"] = FP32 * z.t * h
+    stage.saved[f"{label} 1/rms"] = FP32 * z.t
+    stage.saved[f"{label} normalised"] = FP32 * z.t * h
+
+
+def _rmsnorm_bytes(z: _Shape, h: int) -> int:
+    """Bytes of what ``_rmsnorm`` saves."""
+    return 2 * FP32 * z.t * h + FP32 * z.t
+
+
+def _normed_stage(m: ModelInfo, z: _Shape, name: str, norm: str, to: str, n: int):
     """A decoder sub-block's stage up to its RMSNorm output, read by ``n`` projections ``to``."""
     th = z.t * m.config["hidden_size"]
     st = Stage(
@@ -816,7 +894,7 @@ def _normed_stage(m: ModelInfo, z: _Shape, name: str, rmsnorm, norm: str, to: st
         grads=FP32 * m.stage_numel(name),
         copies=2 * m.stage_numel(name, cast_only=True) if z.amp else 0,
     )
-    rmsnorm(st, f"{norm} RMSNorm")
+    _rmsnorm(st, f"{norm} RMSNorm", z, m.config["hidden_size"])
     if z.amp:  # each projection casts the normalised input to 16 bits itself
         st.saved[f"{to} input casts ({n} x 16-bit)"] = n * 2 * th
     else:
@@ -824,14 +902,14 @@ def _normed_stage(m: ModelInfo, z: _Shape, name: str, rmsnorm, norm: str, to: st
     return st
 
 
-def _mlp_stage(m: ModelInfo, z: _Shape, i: int, rmsnorm) -> Stage:
+def _mlp_stage(m: ModelInfo, z: _Shape, i: int) -> Stage:
     """Post-attention RMSNorm + SwiGLU MLP (gate, up, down) + residual sum."""
     h, inter = m.config["hidden_size"], m.config["intermediate_size"]
     t, ea = z.t, z.ea
     th, ti = t * h, t * inter
     g = FP32 * th
     name = f"L{i}.mlp"
-    st = _normed_stage(m, z, name, rmsnorm, "post-attention", "gate/up", 2)
+    st = _normed_stage(m, z, name, "post-attention", "gate/up", 2)
     st.saved["gate, SiLU(gate), up, product"] = 4 * ea * ti
     st.transient = {"down_proj output": ea * th, "residual sum (layer output)": FP32 * th}
     w = _weight_grad(h * inter, z)
@@ -857,7 +935,7 @@ def _mlp_stage(m: ModelInfo, z: _Shape, i: int, rmsnorm) -> Stage:
     return st
 
 
-def _moe_stage(m: ModelInfo, z: _Shape, i: int, rmsnorm) -> Stage:
+def _moe_stage(m: ModelInfo, z: _Shape, i: int) -> Stage:
     """Post-attention RMSNorm + Mixtral's sparse MoE block (grouped-matmul experts)."""
     c = m.config
     h, inter = c["hidden_size"], c["intermediate_size"]
@@ -868,7 +946,7 @@ def _moe_stage(m: ModelInfo, z: _Shape, i: int, rmsnorm) -> Stage:
     th, routed = t * h, t * k  # every token goes to k experts
     g = FP32 * th
     name = f"L{i}.mlp"
-    st = _normed_stage(m, z, name, rmsnorm, "post-attention", "router", 1)
+    st = _normed_stage(m, z, name, "post-attention", "router", 1)
     st.saved["router probabilities (fp32 softmax)"] = FP32 * t * experts
     st.saved["top-k indices, weights, weight sums"] = t * k * (INT64 + FP32) + FP32 * t
     st.saved["sort order, token index, inverse order"] = 3 * INT64 * routed
@@ -1019,7 +1097,7 @@ def estimate(
         raise ValueError(f"unknown precision {precision!r}: use fp32, tf32, bf16 or fp16")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    if attn not in ("eager", "sdpa"):
+    if attn not in ATTENTION:
         raise ValueError(f"unknown attention {attn!r}: use eager or sdpa")
     if batch_size < 1 or seq_len < 1 or grad_accum < 1:
         raise ValueError("batch size, sequence length and accumulation must be positive")

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 
 from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, GpuInfo
-from helpers.scale import FULL, TINY, GiB, Scale
+from helpers.names import ATTENTION, GiB, MiB
+from helpers.scale import FULL, TINY, Scale
 
-BUDGET_STEP = 512 * 2**20  # a fitted budget is a whole number of half-GiBs
+BUDGET_STEP = 512 * MiB  # a fitted budget is a whole number of half-GiBs
 # Cards the course is checked against, as torch reports them (memory is what the driver leaves
 # to processes, a little under the nominal size). tests/fake_gpu.py fakes these cards.
 REFERENCE_CARDS = {
@@ -241,7 +242,7 @@ def _lesson_05(x: _Lesson) -> None:
         for p in ("fp32", x.half):
             x.run(f"memory table b{b} {p}", s.encoder, b, short, precision=p, steps=4)
     for p in ("fp32", "tf32", "fp16", "bf16"):
-        if p == "bf16" and x.half != "bf16" or p == "tf32" and x.card.capability < (8, 0):
+        if (p == "bf16" and x.half != "bf16") or (p == "tf32" and x.card.capability < (8, 0)):
             continue
         x.run(f"learnable task, {p}", s.decoder, s.max_batch, s.seq_len, precision=p,
               steps=s.train_steps * 2 // 3, depends=("max_batch",))  # fmt: skip
@@ -287,7 +288,7 @@ def _lesson_07(x: _Lesson) -> None:
 
 
 def _lesson_08(x: _Lesson) -> None:
-    from helpers.zero import layer_counts, oversized_config
+    from helpers.lessons.deepspeed_zero import layer_counts, oversized_config
 
     s = x.scale
     big = oversized_config(s.decoder, s.budget)
@@ -307,7 +308,7 @@ def _lesson_08(x: _Lesson) -> None:
 
 
 def _lesson_09(x: _Lesson) -> None:
-    from helpers.moe import pair_for
+    from helpers.lessons.mixture_of_experts import pair_for
 
     s = x.scale
     for name in pair_for(s.name):
@@ -324,7 +325,7 @@ def _lesson_10(x: _Lesson) -> None:
     x.tensors(f"attention layer at s={longest}", 6 * heads * longest**2 * 2)
     x.tensors("eager and sdpa models side by side", 2 * x.weights(s.decoder), where="kernel")
     precision = "bf16" if x.card.capability >= (8, 0) else "fp32"
-    for attn in ("eager", "sdpa"):
+    for attn in ATTENTION:
         x.run(f"decoder {attn} s{s.long_seq}", s.decoder, max(1, s.batch_size // 2), s.long_seq,
               precision=precision, attn=attn, depends=("long_seq",))  # fmt: skip
 
@@ -354,7 +355,7 @@ def _lesson_13(x: _Lesson) -> None:
 
 
 def _lesson_14(x: _Lesson) -> None:
-    from helpers.capstone import SEED_RECIPES
+    from helpers.lessons.putting_it_together import SEED_RECIPES
 
     s = x.scale
     b = s.batch_size

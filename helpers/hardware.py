@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from helpers import device as dev
+from helpers.names import AUTOCAST
 
 
 @dataclass
@@ -140,7 +141,7 @@ def precision_problem(precision: str, device: torch.device) -> str | None:
             f"{report.compute_capability[0]}.{report.compute_capability[1]} and would only "
             "emulate it, slower than fp32: use --precision fp16 (with loss scaling) instead"
         )
-    if precision in ("bf16", "fp16"):
+    if precision in AUTOCAST:
         if not getattr(report, precision):
             return (
                 f"{precision} autocast is not supported on {report.name} ({report.device}): "
@@ -148,3 +149,78 @@ def precision_problem(precision: str, device: torch.device) -> str | None:
             )
         return None
     return f"unknown precision {precision!r}: use fp32, tf32, bf16 or fp16"
+
+
+# -------------------------------------------------------------------------------------------
+# Other processes' CPU use: a claim about overlapping work needs the cores it assumes free.
+
+
+def _busy_ticks(cpus: set[int]) -> int | None:
+    """Busy clock ticks of ``cpus`` so far (user, nice, system, irq, softirq, steal), or None."""
+    try:
+        lines = open("/proc/stat").read().splitlines()
+    except OSError:
+        return None
+    total = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
+            total += user + nice + system + irq + softirq + steal
+    return total
+
+
+def _tree_ticks(root: int) -> int:
+    """CPU ticks of process ``root`` and its descendants, reaped children's included."""
+    import os
+
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                text = open(f"/proc/{entry}/stat").read()
+            except OSError:  # gone meanwhile
+                continue
+            fields = text[text.rindex(")") + 2 :].split()  # after "pid (name) "
+            stats[int(entry)] = (int(fields[1]), sum(map(int, fields[11:15])))  # ppid, times
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, (0, 0))[1]
+        todo += children.get(pid, [])
+    return total
+
+
+class OtherLoad:
+    """Cores' worth of CPU that processes other than this one and its children used while the
+    ``with`` block ran (``cores``; Linux's /proc only, else None). Steal time counts as others'.
+    """
+
+    def __init__(self) -> None:
+        import os
+
+        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        self.cores: float | None = None
+
+    def __enter__(self) -> OtherLoad:
+        import os
+        import time
+
+        self._busy, self._start = _busy_ticks(self.cpus), time.perf_counter()
+        self._own = _tree_ticks(os.getpid()) if self._busy is not None else 0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import os
+        import time
+
+        busy = _busy_ticks(self.cpus)
+        if busy is None or self._busy is None:
+            return
+        wall = time.perf_counter() - self._start
+        own = _tree_ticks(os.getpid()) - self._own
+        others = max(0, busy - self._busy - own) / os.sysconf("SC_CLK_TCK")
+        self.cores = others / wall if wall > 0 else None

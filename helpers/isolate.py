@@ -34,6 +34,13 @@ class Outcome:
     value: Any = None
     error: str | None = None
     error_type: str | None = None  # "oom" | "error" | "crash"
+    traceback: str | None = None  # the child's traceback, where it raised
+
+    def unwrap(self) -> Any:
+        """The value; if the call failed, a RuntimeError with the child's error and traceback."""
+        if self.error is None:
+            return self.value
+        raise RuntimeError(self.error + (f"\n\n{self.traceback}" if self.traceback else ""))
 
 
 def preload_list(*extra: str) -> list[str]:
@@ -80,17 +87,23 @@ def _context():
     return mp.get_context("spawn")
 
 
-def _child(conn, fn, args, kwargs) -> None:
+def capture(fn: Callable, args=(), kwargs=None, catch: type = Exception) -> Outcome:
+    """``fn(*args, **kwargs)`` as an Outcome: its value, or the error that stopped it."""
     import torch
 
     try:
-        conn.send(Outcome(value=fn(*args, **kwargs)))
+        return Outcome(value=fn(*args, **(kwargs or {})))
     except torch.OutOfMemoryError as err:
-        conn.send(Outcome(error=f"OutOfMemoryError: {_first_line(err)}", error_type="oom"))
-    except BaseException as err:  # everything else comes back too, with the place it failed
+        return Outcome(error=f"OutOfMemoryError: {_first_line(err)}", error_type="oom")
+    except catch as err:  # everything else comes back too, with the place it failed
         where = traceback.extract_tb(err.__traceback__)[-1]
         message = f"{type(err).__name__}: {_first_line(err)} ({where.filename}:{where.lineno})"
-        conn.send(Outcome(error=message, error_type="error"))
+        return Outcome(error=message, error_type="error", traceback=traceback.format_exc())
+
+
+def _child(conn, fn, args, kwargs) -> None:
+    try:  # in the child even KeyboardInterrupt or SystemExit comes back as an Outcome
+        conn.send(capture(fn, args, kwargs, catch=BaseException))
     finally:
         conn.close()
 
@@ -136,18 +149,11 @@ def call_isolated(
 
 def run(cfg, isolate: bool = True):
     """``helpers.train.measure(cfg)`` in a fresh process (or in this one); always a Record."""
-    import torch
 
     from helpers.results import Record
     from helpers.train import measure
 
-    if not isolate:
-        try:
-            return measure(cfg)
-        except torch.OutOfMemoryError as err:
-            outcome = Outcome(error=f"OutOfMemoryError: {err}", error_type="oom")
-    else:
-        outcome = call_isolated(measure, cfg)
+    outcome = call_isolated(measure, cfg) if isolate else capture(measure, (cfg,))
     if outcome.error:
         # The run died before it could describe its device: name it here, so tables show it.
         device = {"name": _device_name(cfg.device)}

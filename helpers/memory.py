@@ -24,6 +24,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from helpers import device as dev
+from helpers.names import MiB
 
 # Our category names for MemTracker's reference types.
 CATEGORY = {
@@ -127,10 +128,10 @@ class CategoryTracker(MemTracker):
             self.max_total = total
             self.max_snapshot = {CATEGORY[k]: v for k, v in snap.items() if k in CATEGORY}
         if self.budget is not None and total > self.budget and u_type.name in ("ADD", "SIZE"):
-            held = ", ".join(f"{n} {v / 2**20:.1f} MiB" for n, v in self._named(snap).items() if v)
+            held = ", ".join(f"{n} {v / MiB:.1f} MiB" for n, v in self._named(snap).items() if v)
             raise torch.OutOfMemoryError(
-                f"memory budget exceeded: this step needs more than the {self.budget / 2**20:.1f} "
-                f"MiB budget ({winfo.mem_consumed / 2**20:.2f} MiB requested with {held} held). "
+                f"memory budget exceeded: this step needs more than the {self.budget / MiB:.1f} "
+                f"MiB budget ({winfo.mem_consumed / MiB:.2f} MiB requested with {held} held). "
                 "Use a smaller batch, gradient accumulation, checkpointing or 16-bit, or raise "
                 "the budget."
             )

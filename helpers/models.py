@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -92,3 +93,42 @@ def disable_checkpointing(model: torch.nn.Module) -> None:
     if disable is None:
         disable = model.gradient_checkpointing_disable
     disable()
+
+
+# LoRA (lesson 13): what RunConfig(lora_r=...) and the estimator apply to a model.
+
+
+def parse_targets(targets: str) -> list[str] | str | None:
+    """RunConfig.lora_targets as peft takes it: a list of names, "all-linear", or None (default)."""
+    targets = targets.strip()
+    if not targets:
+        return None
+    if targets == "all-linear":
+        return targets
+    return [t.strip() for t in targets.split(",") if t.strip()]
+
+
+def lora_config(kind: str, r: int, targets: str = "", alpha: float | None = None):
+    """A peft LoraConfig: rank r, alpha 2r unless given, no dropout, the task from ``kind``."""
+    from peft import LoraConfig, TaskType
+
+    if r < 1:
+        raise ValueError(f"LoRA rank must be at least 1, got {r}")
+    task = TaskType.SEQ_CLS if kind == "classify" else TaskType.CAUSAL_LM
+    return LoraConfig(
+        r=r,
+        lora_alpha=2 * r if alpha is None else alpha,
+        target_modules=parse_targets(targets),
+        lora_dropout=0.0,
+        task_type=task,
+    )
+
+
+def apply_lora(model: torch.nn.Module, r: int, targets: str = "", alpha: float | None = None):
+    """``peft.get_peft_model`` on a transformers model: weights frozen, adapters added."""
+    from peft import get_peft_model
+
+    config = lora_config(task_kind(model.config), r, targets, alpha)
+    with warnings.catch_warnings():  # peft calls a transformers method renamed in v5
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        return get_peft_model(model, config)

@@ -27,28 +27,27 @@ import torch
 from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, is_cuda, present
 from helpers.estimate import Estimate, describe_model, estimate
 from helpers.memory import CategoryTracker
+from helpers.names import ATTENTION, AUTOCAST, PRECISIONS, GiB, KiB, MiB, TiB
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 DEFAULT_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")  # SGD is not a drop-in for transformers
-ATTENTION = ("eager", "sdpa")
 GC_COST = 4 / 3  # checkpointing repeats the forward: (1 + 1 + 2) / (1 + 2) of a step's FLOPs
 MICRO_BATCH_OVERHEAD_TOKENS = 128  # fixed cost of a micro-batch (launches, Python), in tokens
 
 _UNITS = {
     "": 1,
     "b": 1,
-    "k": 2**10,
-    "kb": 2**10,
-    "kib": 2**10,
-    "m": 2**20,
-    "mb": 2**20,
-    "mib": 2**20,
-    "g": 2**30,
-    "gb": 2**30,
-    "gib": 2**30,
-    "t": 2**40,
-    "tb": 2**40,
-    "tib": 2**40,
+    "k": KiB,
+    "kb": KiB,
+    "kib": KiB,
+    "m": MiB,
+    "mb": MiB,
+    "mib": MiB,
+    "g": GiB,
+    "gb": GiB,
+    "gib": GiB,
+    "t": TiB,
+    "tb": TiB,
+    "tib": TiB,
 }
 
 
@@ -188,7 +187,7 @@ def predicted_cost(c: Candidate, seq_len: int, device_type: str) -> float:
     """
     tokens = c.micro_batch * seq_len + MICRO_BATCH_OVERHEAD_TOKENS
     cost = c.grad_accum * tokens * (GC_COST if c.gradient_checkpointing else 1.0)
-    if c.precision in ("bf16", "fp16"):
+    if c.precision in AUTOCAST:
         cost *= 0.5 if device_type == "cuda" else 1.5
     elif c.precision == "tf32":
         cost *= 0.7
@@ -406,7 +405,7 @@ def plan(
 
 
 def _fmt(nbytes: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if nbytes >= size:
             return f"{nbytes / size:.3g} {unit}"
     return f"{int(nbytes)} B"

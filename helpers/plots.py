@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-MiB = 2**20
+from helpers.names import MiB
+
 # One colour per memory category, used by every lesson so the categories read the same.
 CATEGORY_COLORS = {
     "params": "#4C72B0",

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from helpers import device as dev
+from helpers.names import GiB, MiB
 
 STARTUP_S = 5.0  # per experiment: a fresh process, the model built, the first steps' extra cost
 
@@ -78,7 +79,7 @@ def _budget_cap(device: str) -> str:
     from helpers.memory import memory_budget
 
     d = dev.resolve(device)
-    budget = 2 * 2**30 if dev.is_cuda(d) else 64 * 2**20
+    budget = 2 * GiB if dev.is_cuda(d) else 64 * MiB
     with memory_budget(budget, device=d) as capped:
         torch.empty(budget // 16, device=d)  # a quarter of the budget: fits
         try:
@@ -89,20 +90,20 @@ def _budget_cap(device: str) -> str:
             raise RuntimeError("an allocation twice the budget did not raise OutOfMemoryError")
     if dev.is_cuda(d):
         return (
-            f"allocator capped at {capped.allocator_limit / 2**30:.2f} GiB of a 2 GiB budget "
-            f"(context {capped.context / 2**20:.0f} MiB, {capped.context_source})"
+            f"allocator capped at {capped.allocator_limit / GiB:.2f} GiB of a 2 GiB budget "
+            f"(context {capped.context / MiB:.0f} MiB, {capped.context_source})"
         )
     return "the tracker raised OutOfMemoryError past a 64 MiB budget"
 
 
 def _allocator_view(device: str) -> str:
     d = dev.resolve(device)
-    x = torch.empty(256 * 2**20 // 4, device=d)
+    x = torch.empty(256 * MiB // 4, device=d)
     stats = dev.allocator_stats(d)
     del x
-    if stats.allocated < 256 * 2**20 or stats.reserved < stats.allocated:
+    if stats.allocated < 256 * MiB or stats.reserved < stats.allocated:
         raise RuntimeError(f"allocator stats off: {stats}")
-    return f"allocated {stats.allocated / 2**20:.0f} MiB, reserved {stats.reserved / 2**20:.0f} MiB"
+    return f"allocated {stats.allocated / MiB:.0f} MiB, reserved {stats.reserved / MiB:.0f} MiB"
 
 
 def _nvml_view(device: str) -> str:
@@ -112,14 +113,14 @@ def _nvml_view(device: str) -> str:
         return f"skipped: {summary.removeprefix('NVML view unavailable: ')}"
     torch.empty(1, device=d)
     used = dev.nvml_used_bytes(d)
-    return f"{summary}; {used / 2**20:.0f} MiB in use" if used else summary
+    return f"{summary}; {used / MiB:.0f} MiB in use" if used else summary
 
 
 def _cuda_context(device: str) -> str:
     context = dev.cuda_context_bytes()
     if context is None:
         return "skipped: NVML cannot read device memory here, so the context cannot be measured"
-    return f"{context / 2**20:.0f} MiB before the first tensor"
+    return f"{context / MiB:.0f} MiB before the first tensor"
 
 
 def _train_steps(device: str, precision: str, optimizer: str = "adamw", steps: int = 3) -> float:
@@ -144,7 +145,7 @@ def _bf16(device: str) -> str:
     d = dev.resolve(device)
     note = ""
     if d.type == "cpu":
-        from helpers.precision import cpu_16bit_instructions
+        from helpers.lessons.mixed_precision import cpu_16bit_instructions
 
         flags = cpu_16bit_instructions()
         if flags and not flags["bf16"]:
@@ -168,7 +169,7 @@ def _tf32(device: str) -> str:
 
 
 def _sdpa(device: str, backend: str) -> str:
-    from helpers.attention import attention_dtype, backend_problem
+    from helpers.lessons.sdpa_flash_attention import attention_dtype, backend_problem
 
     d = dev.resolve(device)
     dtype = attention_dtype(d)
@@ -195,14 +196,14 @@ def _deepspeed(device: str) -> str:
 
     if importlib.util.find_spec("deepspeed") is None:
         return "skipped: deepspeed is not installed (pip install deepspeed)"
-    from helpers.zero import ZeroRun, measure_zero
+    from helpers.lessons.deepspeed_zero import ZeroRun, measure_zero
 
     rec = measure_zero(ZeroRun(model="llama-tiny", stage=3, warmup=1, repeats=1, device=device))
     return f"ZeRO-3 with parameter and optimizer offload to the CPU: {rec.step_time:.2f} s per step"
 
 
 def _compile(device: str) -> str:
-    from helpers.compiling import reset_dynamo
+    from helpers.lessons.torch_compile import reset_dynamo
 
     d = dev.resolve(device)
     net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))

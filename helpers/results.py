@@ -8,6 +8,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from helpers.names import MiB
+
 RESULTS_ENV = "COURSE_RESULTS"  # path of the JSON-lines store
 
 
@@ -159,4 +161,4 @@ def with_speed(record: Record, comparison, label: str | None = None) -> Record:
 
 
 def _mb(nbytes: int | None) -> float | None:
-    return None if nbytes is None else round(nbytes / 2**20, 1)
+    return None if nbytes is None else round(nbytes / MiB, 1)

@@ -15,11 +15,9 @@ from pathlib import Path
 import torch
 
 from helpers.device import default_device
+from helpers.names import GiB, MiB
 
 SCALE_ENV = "COURSE_SCALE"  # tiny | full | auto (default)
-
-GiB = 1024**3
-MiB = 1024**2
 
 
 @dataclass(frozen=True)

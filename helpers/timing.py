@@ -275,6 +275,7 @@ class Comparison:
     times: dict[str, list[float]]
     confidence: float = 0.9
     errors: dict[str, str] = field(default_factory=dict)  # contenders that could not run
+    left_out: dict[str, int] = field(default_factory=dict)  # rounds left out, by reason
 
     @property
     def rounds(self) -> int:
@@ -338,9 +339,12 @@ class Comparison:
         bounds = self.interval(claim.name, claim.versus)
         where = "too few rounds" if bounds is None else f"{bounds[0]:.3g}-{bounds[1]:.3g}"
         why = f" ({claim.why})" if claim.why else ""
+        skipped = "".join(f", {n} left out: {reason}" for reason, n in self.left_out.items())
+        ratio = f"{self.ratio(claim.name, claim.versus):.3g}" if self.rounds else "n/a"
         return (
-            f"{claim}{why}: median ratio {self.ratio(claim.name, claim.versus):.3g} "
-            f"({where} at {self.confidence:.0%}, {self.rounds} rounds): {self.verdict(claim)}"
+            f"{claim}{why}: median ratio {ratio} "
+            f"({where} at {self.confidence:.0%}, {self.rounds} rounds{skipped}): "
+            f"{self.verdict(claim)}"
         )
 
 
@@ -351,19 +355,28 @@ def interleave(
     max_rounds: int = 15,
     claims=(),
     confidence: float = 0.9,
+    reject: Callable[[], str | None] | None = None,
 ) -> Comparison:
     """Rounds of ``run(name)`` (seconds of one timed unit) over ``names``, in rotating order.
 
     After ``rounds`` rounds, more are added while a claim is undecided, up to ``max_rounds``:
-    a noisy machine takes longer to decide instead of deciding wrongly.
+    a noisy machine takes longer to decide instead of deciding wrongly. ``reject``, asked
+    after each round, may name a reason to leave that round out (a condition the claims
+    assume did not hold while it ran); left-out rounds count towards ``max_rounds`` and are
+    reported in ``Comparison.left_out``.
     """
     times: dict[str, list[float]] = {n: [] for n in names}
     out = Comparison(times, confidence)
     for i in range(max_rounds):
-        if i >= rounds and out.decided(claims):
+        if out.rounds >= rounds and out.decided(claims):
             break
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            times[name].append(run(name))
+        row = {name: run(name) for name in names[i % len(names) :] + names[: i % len(names)]}
+        why = reject() if reject else None
+        if why:
+            out.left_out[why] = out.left_out.get(why, 0) + 1
+            continue
+        for name, seconds in row.items():
+            times[name].append(seconds)
     return out
 
 
@@ -412,6 +425,7 @@ def check_claims(comparison: Comparison, claims, lesson: str = "") -> list[str]:
             undecided.append(lines[-1])
         if os.environ.get(CLAIMS_ENV):
             ran = claim.name not in comparison.errors and claim.versus not in comparison.errors
+            ran = ran and comparison.rounds > 0
             pair = (claim.name, claim.versus)
             row = {"lesson": lesson, "claim": str(claim), "verdict": verdict,
                    "rounds": comparison.rounds,

@@ -14,12 +14,9 @@ from helpers.device import nvml_used_bytes, resolve
 from helpers.hardware import hardware_report, precision_problem
 from helpers.memory import CategoryTracker, allocator_peaks, memory_budget, reset_device_peaks
 from helpers.models import build_model, count_params, enable_checkpointing, load_config, task_kind
+from helpers.names import AUTOCAST, OPTIMIZERS, TRAIN_ATTENTION
 from helpers.results import Record
 from helpers.timing import flops_utilisation, synchronize, time_fn, train_flops
-
-OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
-ATTENTION = ("eager", "sdpa")
 
 
 @dataclass
@@ -80,7 +77,7 @@ def make_optimizer(name: str, model: torch.nn.Module, lr: float = 1e-3) -> torch
 
 def autocast_context(precision: str, device: torch.device):
     """autocast for bf16/fp16; nothing for fp32/tf32 (tf32: ``helpers.device.set_tf32``)."""
-    if precision in ("bf16", "fp16"):
+    if precision in AUTOCAST:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         return torch.autocast(device.type, dtype=dtype)
     return contextlib.nullcontext()
@@ -97,15 +94,15 @@ class Trainee:
             raise ValueError(problem)
         if cfg.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {cfg.optimizer!r}: use one of {OPTIMIZERS}")
-        if cfg.attn not in ATTENTION:
-            raise ValueError(f"unknown attention {cfg.attn!r}: use one of {ATTENTION}")
+        if cfg.attn not in TRAIN_ATTENTION:
+            raise ValueError(f"unknown attention {cfg.attn!r}: use one of {TRAIN_ATTENTION}")
         self.config = load_config(cfg.model)
         self.kind = task_kind(self.config)
         self.model = build_model(self.config, cfg.attn, self.device, cfg.seed)
         if cfg.gradient_checkpointing:
             enable_checkpointing(self.model)
         if cfg.lora_r:  # freeze the weights and add adapters before the optimizer sees them
-            from helpers.lora import apply_lora
+            from helpers.models import apply_lora
 
             self.model = apply_lora(self.model, cfg.lora_r, cfg.lora_targets)
         self.model.train()

@@ -4,15 +4,13 @@
     accelerate launch --num_processes 2 scripts/train_accelerate.py --max-steps 3
     accelerate launch --cpu --num_processes 2 scripts/train_accelerate.py --cpu   # no GPU
 
-The loop itself is ``helpers.accelerate_loop.train_loop``; each process prints one JSON line.
+The loop itself is ``helpers.lessons.accelerate_loop.train_loop``; each process prints one
+JSON line.
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's helpers
-
-from helpers.accelerate_loop import main  # noqa: E402
+from helpers.lessons.accelerate_loop import main
 
 if __name__ == "__main__":
     sys.exit(main())

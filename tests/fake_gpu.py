@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import pynvml
 import torch
-import torch._dynamo  # noqa: F401  (imported as a CPU build: it asks torch.cuda when imported)
+import torch._dynamo  # imported as a CPU build first: it asks torch.cuda when imported
 
 from helpers.fullscale import REFERENCE_CARDS
 
@@ -287,73 +287,78 @@ class FakeGpu:
     # -- NVML -------------------------------------------------------------------------------
 
     def _install_nvml(self, mode: str) -> None:
-        mp = self.mp
         if mode == "absent":
-            mp.setitem(__import__("sys").modules, "pynvml", None)
+            self.mp.setitem(__import__("sys").modules, "pynvml", None)
             return
-
-        def check(handle) -> _NvmlDevice:
-            if not isinstance(handle, _NvmlDevice):
-                raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-            return handle
-
-        def init() -> None:
-            if mode == "missing":
-                raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
-
-        def memory(handle):
-            d = check(handle)
-            if mode == "no-permission" or (d.migs and not d.is_mig):
-                # A MIG parent's memory is not the processes' to read; NVML refuses it.
-                raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
-            used = d.used + sum(
-                a.reserved + self.context
-                for a, p in zip(self.alloc, self.visible, strict=True)
-                if p is d.profile and a.reserved
-            )
-            return types.SimpleNamespace(total=d.profile.nvml_total, used=used,
-                                         free=d.profile.nvml_total - used)  # fmt: skip
-
-        def uuid(handle) -> str:
-            d = check(handle)
-            return ("MIG-" if d.is_mig else "GPU-") + d.profile.uuid
-
-        def utilisation(handle):
-            d = check(handle)
-            if mode == "no-permission":
-                raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
-            if d.is_mig:  # NVML has no utilisation counter for a MIG slice
-                raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
-            return types.SimpleNamespace(gpu=97, memory=40)
-
-        def mig_handle(parent, j):
-            d = check(parent)
-            if j >= len(d.migs):
-                raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
-            return d.migs[j]
-
-        def processes(handle):
-            d = check(handle)
-            return [
-                types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=a.reserved + self.context)
-                for a, p in zip(self.alloc, self.visible, strict=True)
-                if p is d.profile and a.reserved
-            ]
-
+        self.nvml_mode = mode
         fakes = {
-            "nvmlInit": init,
+            "nvmlInit": self._nvml_init,
             "nvmlShutdown": lambda: None,
             "nvmlDeviceGetCount": lambda: len(self.physical),
             "nvmlDeviceGetHandleByIndex": lambda i: self.physical[i],
-            "nvmlDeviceGetUUID": uuid,
-            "nvmlDeviceGetName": lambda h: check(h).profile.name,
+            "nvmlDeviceGetUUID": _nvml_uuid,
+            "nvmlDeviceGetName": lambda h: _check(h).profile.name,
             "nvmlSystemGetDriverVersion": lambda: "580.95.05",
-            "nvmlDeviceGetMemoryInfo": memory,
-            "nvmlDeviceGetMigMode": lambda h: [int(bool(check(h).migs))] * 2,
-            "nvmlDeviceGetMaxMigDeviceCount": lambda h: 7 if check(h).migs else 0,
-            "nvmlDeviceGetMigDeviceHandleByIndex": mig_handle,
-            "nvmlDeviceGetUtilizationRates": utilisation,
-            "nvmlDeviceGetComputeRunningProcesses": processes,
+            "nvmlDeviceGetMemoryInfo": self._nvml_memory,
+            "nvmlDeviceGetMigMode": lambda h: [int(bool(_check(h).migs))] * 2,
+            "nvmlDeviceGetMaxMigDeviceCount": lambda h: 7 if _check(h).migs else 0,
+            "nvmlDeviceGetMigDeviceHandleByIndex": _nvml_mig_handle,
+            "nvmlDeviceGetUtilizationRates": self._nvml_utilisation,
+            "nvmlDeviceGetComputeRunningProcesses": self._nvml_processes,
         }
         for name, fn in fakes.items():
-            mp.setattr(pynvml, name, fn)
+            self.mp.setattr(pynvml, name, fn)
+
+    def _nvml_init(self) -> None:
+        if self.nvml_mode == "missing":
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    def _held(self, d: _NvmlDevice) -> list[int]:
+        """Bytes each of this process's devices on ``d`` holds: its reserve and a context."""
+        return [
+            a.reserved + self.context
+            for a, p in zip(self.alloc, self.visible, strict=True)
+            if p is d.profile and a.reserved
+        ]
+
+    def _nvml_memory(self, handle):
+        d = _check(handle)
+        if self.nvml_mode == "no-permission" or (d.migs and not d.is_mig):
+            # A MIG parent's memory is not the processes' to read; NVML refuses it.
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+        used = d.used + sum(self._held(d))
+        return types.SimpleNamespace(total=d.profile.nvml_total, used=used,
+                                     free=d.profile.nvml_total - used)  # fmt: skip
+
+    def _nvml_utilisation(self, handle):
+        d = _check(handle)
+        if self.nvml_mode == "no-permission":
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+        if d.is_mig:  # NVML has no utilisation counter for a MIG slice
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return types.SimpleNamespace(gpu=97, memory=40)
+
+    def _nvml_processes(self, handle):
+        d = _check(handle)
+        return [
+            types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=held) for held in self._held(d)
+        ]
+
+
+def _check(handle) -> _NvmlDevice:
+    """``handle`` if it is one of the fake's devices; NVML's invalid-argument error if not."""
+    if not isinstance(handle, _NvmlDevice):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    return handle
+
+
+def _nvml_uuid(handle) -> str:
+    d = _check(handle)
+    return ("MIG-" if d.is_mig else "GPU-") + d.profile.uuid
+
+
+def _nvml_mig_handle(parent, j):
+    d = _check(parent)
+    if j >= len(d.migs):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+    return d.migs[j]

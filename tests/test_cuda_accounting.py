@@ -18,7 +18,7 @@ from helpers.device import ALLOCATION_UNIT, allocation_bytes
 from helpers.estimate import describe_model, estimate
 from helpers.memory import CategoryTracker, rounding_slack
 from helpers.models import build_model, load_config
-from helpers.optim_state import expected_state, tracked_bytes
+from helpers.optimizer_state import expected_state, tracked_bytes
 
 CUDA = torch.device("cuda", 0)
 MODELS = ["bert-tiny", "bert-large", "llama-tiny", "llama-400m", "mixtral-tiny"]

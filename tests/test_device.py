@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from helpers import device as dev
-from helpers.attention import attention_dtype, backend_problem
 from helpers.hardware import hardware_report, precision_problem
+from helpers.lessons.sdpa_flash_attention import attention_dtype, backend_problem
 from helpers.memory import memory_budget
 from helpers.timing import flops_utilisation, peak_tflops
 from tests.fake_gpu import PROFILES, FakeGpu
@@ -312,7 +312,7 @@ def test_backend_problem_keeps_the_reasons_cuda_gives(monkeypatch):
         )
         raise RuntimeError("No available kernel. Aborting execution.")
 
-    monkeypatch.setattr("helpers.attention.attend", refuse)
+    monkeypatch.setattr("helpers.lessons.sdpa_flash_attention.attend", refuse)
     problem = backend_problem("sdpa-flash")
     assert problem.startswith("No available kernel")
     assert "sm 7.5" in problem and "dtype: {Half, BFloat16}" in problem
@@ -462,7 +462,7 @@ def test_present_and_set_current(monkeypatch):
 
 
 def test_flash_attention_2_needs_ampere_and_the_package(monkeypatch):
-    from helpers.attention import flash_attn_2_problem
+    from helpers.lessons.sdpa_flash_attention import flash_attn_2_problem
 
     FakeGpu(monkeypatch, [PROFILES["t4"], PROFILES["h100"]])
     assert "8.0" in flash_attn_2_problem(torch.device("cuda", 0))

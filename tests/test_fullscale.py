@@ -11,7 +11,8 @@ import torch
 
 from helpers.device import GpuInfo
 from helpers.fullscale import fit_scale, fit_table, lesson_experiments, lesson_flops
-from helpers.scale import FULL, TINY, GiB, get_scale
+from helpers.names import GiB
+from helpers.scale import FULL, TINY, get_scale
 from tests.fake_gpu import CARDS, PROFILES, FakeGpu
 
 

@@ -121,6 +121,25 @@ def test_isolation_reports_a_dead_process():
     assert outcome.error_type == "crash" and "exit code 3" in outcome.error
 
 
+def _divide(a: int, b: int) -> float:
+    return a / b
+
+
+def test_outcome_unwrap_and_both_paths_report_failures_alike():
+    from helpers.isolate import call_isolated, capture
+
+    assert call_isolated(_divide, 6, 3).unwrap() == 2.0
+    here, there = capture(_divide, (1, 0)), call_isolated(_divide, 1, 0)
+    for outcome in (here, there):
+        assert outcome.error_type == "error" and outcome.error.startswith("ZeroDivisionError")
+        with pytest.raises(RuntimeError, match="ZeroDivisionError") as err:
+            outcome.unwrap()
+        assert "Traceback" in str(err.value) and "_divide" in str(err.value)
+    # In this process as in a fresh one, a failed run is a Record carrying the error.
+    bad = RunConfig(model="bert-tiny", batch_size=2, seq_len=32, optimizer="nope", repeats=1)
+    assert [run(bad, isolate=i).error.split(":")[0] for i in (False, True)] == ["ValueError"] * 2
+
+
 def test_fork_server_preloads_extras_only_without_cuda(monkeypatch):
     from helpers import isolate
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import random
+import signal
+import sys
 import time
 
 
@@ -46,8 +48,14 @@ def main() -> int:
     ]
     for proc in procs:
         proc.start()
-    for proc in procs:
-        proc.join()
+    # Stopped early (make's trap sends SIGTERM): the busy processes stop with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        for proc in procs:
+            proc.join()
+    finally:
+        for proc in procs:
+            proc.terminate()
     return 0
 
 

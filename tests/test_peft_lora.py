@@ -6,15 +6,9 @@ import pytest
 import torch
 
 from helpers.estimate import describe_model, estimate_run, training_state
-from helpers.lora import (
-    adapter_params,
-    apply_lora,
-    meta_model,
-    rank_for,
-    trainable_counts,
-)
+from helpers.lessons.peft_lora import adapter_params, meta_model, rank_for, trainable_counts
 from helpers.memory import CategoryTracker
-from helpers.models import build_model, load_config
+from helpers.models import apply_lora, build_model, load_config
 from helpers.train import RunConfig, Trainee, measure
 
 

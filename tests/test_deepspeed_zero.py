@@ -1,4 +1,4 @@
-"""helpers.zero: sizes, the decision tree, the device tracker, and one real DeepSpeed run."""
+"""helpers.lessons.deepspeed_zero: sizes, the decision tree, the device tracker, a real run."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import importlib.util
 import pytest
 import torch
 
-from helpers import zero
 from helpers.isolate import call_isolated
+from helpers.lessons import deepspeed_zero as zero
 from helpers.models import build_model, count_params, load_config
-from helpers.scale import MiB
+from helpers.names import MiB
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 

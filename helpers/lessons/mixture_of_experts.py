@@ -1,4 +1,6 @@
-"""Mixture of experts: a sparse Mixtral-style model next to the dense model of equal active width.
+"""Lesson 09, sections 1-4 (notebooks/09_mixture_of_experts.ipynb).
+
+Mixture of experts: a sparse Mixtral-style model next to the dense model of equal active width.
 
 The bundled pairs (``mixtral-tiny`` / ``mixtral-tiny-dense``, ``mixtral-500m`` /
 ``mixtral-500m-dense``) share everything but the feed-forward block: the sparse one has E

@@ -1,4 +1,6 @@
-"""DeepSpeed ZeRO on one device, in one process: configs, measured runs, estimates, a plan.
+"""Lesson 08, sections 1-7 (notebooks/08_deepspeed_zero.ipynb).
+
+DeepSpeed ZeRO on one device, in one process: configs, measured runs, estimates, a plan.
 
 DeepSpeed is usually started by its launcher (``deepspeed train.py``), which starts one process
 per GPU and sets the variables ``torch.distributed`` needs to find its peers. A notebook has one
@@ -31,6 +33,7 @@ import torch
 
 from helpers.device import set_current
 from helpers.memory import CategoryTracker
+from helpers.names import GiB, MiB
 
 FP32 = 4
 # The course's rule of thumb for fp32 training with AdamW (lesson 01): 4 weights + 4 gradients
@@ -246,10 +249,10 @@ class DeviceTracker(CategoryTracker):
         total = snap.get("Total", 0) + fetched
         self.device_peak = max(self.device_peak, total)
         if growing and self.device_budget is not None and total > self.device_budget:
-            fetched_text = f" ({fetched / 2**20:.1f} MiB of fetched weights)" if fetched else ""
+            fetched_text = f" ({fetched / MiB:.1f} MiB of fetched weights)" if fetched else ""
             raise torch.OutOfMemoryError(
-                f"memory budget exceeded: the compute device would hold {total / 2**20:.1f} MiB"
-                f"{fetched_text}, more than the {self.device_budget / 2**20:.1f} MiB budget."
+                f"memory budget exceeded: the compute device would hold {total / MiB:.1f} MiB"
+                f"{fetched_text}, more than the {self.device_budget / MiB:.1f} MiB budget."
             )
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
@@ -604,14 +607,13 @@ def plan(
     only the largest layer's weights and gradients there; the host holds the rest with the same
     1.5x buffer factor DeepSpeed's estimator uses.
     """
-    mib = 2**20
     plain = bytes_per_param * n_params + activations
     if plain <= budget:
         return Plan(
             "plain",
             plain,
             0,
-            f"{plain / mib:,.0f} MiB fit the {budget / mib:,.0f} MiB "
+            f"{plain / MiB:,.0f} MiB fit the {budget / MiB:,.0f} MiB "
             "budget: DeepSpeed would only add copies and slow the step down",
         )
     host = int(1.5 * bytes_per_param * n_params)
@@ -621,7 +623,7 @@ def plan(
             "ZeRO-2 + offload optimizer",
             zero2,
             host,
-            f"the fp32 weights ({FP32 * n_params / mib:,.0f} MiB) and activations fit on "
+            f"the fp32 weights ({FP32 * n_params / MiB:,.0f} MiB) and activations fit on "
             "the device; gradients and optimizer go to host RAM",
         )
     zero3 = 2 * FP32 * largest_layer + activations
@@ -638,8 +640,8 @@ def plan(
             "ZeRO-3 + NVMe offload",
             zero3,
             host,
-            f"host RAM ({host_ram / 2**30:,.0f} GiB) is smaller than the "
-            f"{host / 2**30:,.0f} GiB the offloaded states need: offload to NVMe",
+            f"host RAM ({host_ram / GiB:,.0f} GiB) is smaller than the "
+            f"{host / GiB:,.0f} GiB the offloaded states need: offload to NVMe",
         )
     return Plan("more devices", zero3, host, "even one layer plus activations exceed the budget")
 
@@ -692,20 +694,19 @@ def placement_figure(device: dict[str, dict[str, int]], host: dict[str, int], bu
 
     from helpers.plots import CATEGORY_COLORS
 
-    mib = 2**20
     fig = Figure(figsize=(9, 4), layout="constrained")
     left, right = fig.subplots(1, 2, sharey=True)
     labels = list(device)
     bottoms = [0.0] * len(labels)
     for cat in ("params", "gradients", "optimizer_state", "activations", "temporaries"):
-        values = [device[lab].get(cat, 0) / mib for lab in labels]
+        values = [device[lab].get(cat, 0) / MiB for lab in labels]
         left.bar(labels, values, bottom=bottoms, label=cat, color=CATEGORY_COLORS.get(cat))
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
-    left.plot(labels, [device[lab].get("peak", 0) / mib for lab in labels], "ko", label="peak")
-    left.axhline(budget / mib, color="red", linestyle="--", linewidth=1)
+    left.plot(labels, [device[lab].get("peak", 0) / MiB for lab in labels], "ko", label="peak")
+    left.axhline(budget / MiB, color="red", linestyle="--", linewidth=1)
     left.annotate(
         "budget",
-        (0, budget / mib),
+        (0, budget / MiB),
         textcoords="offset points",
         xytext=(0, 3),
         color="red",
@@ -714,7 +715,7 @@ def placement_figure(device: dict[str, dict[str, int]], host: dict[str, int], bu
     left.set_ylabel("MiB")
     left.set_title("on the compute device")
     left.legend(fontsize="small")
-    right.bar(list(host), [v / mib for v in host.values()], color="#937860")
+    right.bar(list(host), [v / MiB for v in host.values()], color="#937860")
     right.set_title("in DeepSpeed's host buffers")
     for ax in (left, right):
         ax.tick_params(axis="x", labelrotation=20)

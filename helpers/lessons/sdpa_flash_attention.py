@@ -1,4 +1,6 @@
-"""Attention written by hand, HF's eager version and PyTorch's SDPA backends, measured alike.
+"""Lesson 10, sections 1-5 (notebooks/10_sdpa_flash_attention.ipynb).
+
+Attention written by hand, HF's eager version and PyTorch's SDPA backends, measured alike.
 
 Every implementation takes queries, keys and values shaped (batch, heads, seq, head_dim) and
 returns the attention output in that shape, so that memory, time and results compare directly.
@@ -320,19 +322,6 @@ def flash_attn_2_problem(device) -> str | None:
     if not is_flash_attn_2_available():
         return "the flash-attn package is not installed (pip install flash-attn)"
     return None
-
-
-def measure_any_attention(cfg):
-    """``helpers.train.measure`` that also accepts ``attn="flash_attention_2"``.
-
-    helpers.train validates ``cfg.attn`` against its ATTENTION tuple (eager, sdpa); this
-    extends that tuple in the calling process only, so call it through ``call_isolated``.
-    """
-    from helpers import train
-
-    if cfg.attn not in train.ATTENTION:
-        train.ATTENTION = (*train.ATTENTION, cfg.attn)
-    return train.measure(cfg)
 
 
 def power_law_figure(xs, series: dict, ylabel: str, title: str = "", ranges: dict | None = None):

@@ -6,8 +6,13 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM
 
+from helpers.lessons.mixture_of_experts import (
+    ffn_params,
+    pair_for,
+    router_load,
+    train_flops_per_token,
+)
 from helpers.models import load_config
-from helpers.moe import ffn_params, pair_for, router_load, train_flops_per_token
 
 
 def test_pair_differs_only_in_the_ffn():

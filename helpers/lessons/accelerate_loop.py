@@ -1,4 +1,6 @@
-"""The course's combination as a hand-written training loop on Hugging Face Accelerate.
+"""Lesson 07, sections 2-4 (notebooks/07_accelerate_loop.ipynb).
+
+The course's combination as a hand-written training loop on Hugging Face Accelerate.
 
 Micro-batches with gradient accumulation, gradient checkpointing, 16-bit autocast and an
 8-bit optimizer, written once with ``Accelerator``. The same function runs in a notebook

@@ -1,4 +1,7 @@
-"""Activation (gradient) checkpointing: a plain-PyTorch block stack, its memory, paired timing."""
+"""Lesson 04, sections 1, 2, 5 (notebooks/04_gradient_checkpointing.ipynb).
+
+Activation (gradient) checkpointing: a plain-PyTorch block stack, its memory, paired timing.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Batch size: searching for the largest batch that fits, and how matrix shapes set the speed.
+"""Lesson 02, sections 1-4 (notebooks/02_batch_size.ipynb).
+
+Batch size: searching for the largest batch that fits, and how matrix shapes set the speed.
 
 accelerate's ``find_executable_batch_size`` (and the Trainer's ``auto_find_batch_size``, built
 on it) retries with a smaller batch only when ``should_reduce_batch_size`` recognises the
@@ -20,11 +22,11 @@ from matplotlib.figure import Figure
 from torch.distributed._tools.mod_tracker import ModTracker
 
 from helpers.memory import CategoryTracker, memory_budget
+from helpers.names import MiB
 from helpers.timing import time_fn
 
 # The phrase accelerate.utils.should_reduce_batch_size looks for in a CUDA/XPU OOM message.
 OOM_PHRASE = " out of memory."
-MiB = 2**20
 
 
 def halving(start: int) -> Callable[[], int]:

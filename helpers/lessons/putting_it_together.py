@@ -1,4 +1,6 @@
-"""The seed's ablation (its single-GPU guide, V100 16 GB) rebuilt as RunConfigs, and its table.
+"""Lesson 14, sections 1-6 (notebooks/14_putting_it_together.ipynb).
+
+The seed's ablation (its single-GPU guide, V100 16 GB) rebuilt as RunConfigs, and its table.
 
 Seed 002 trains bert-large (sequence length 512, 512 samples, effective batch 4) with the
 Trainer nine ways and prints samples/s and the GPU memory nvidia-smi reports. Its figures are
@@ -18,10 +20,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import ScalarFormatter
 
 from helpers.hardware import precision_problem
+from helpers.names import MiB
 from helpers.results import Record
 from helpers.train import RunConfig
-
-MiB = 2**20
 
 
 @dataclass(frozen=True)

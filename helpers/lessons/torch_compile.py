@@ -1,4 +1,6 @@
-"""torch.compile: captured graphs, graph breaks, recompilation, compile cost against step time.
+"""Lesson 12, sections 2-8 (notebooks/12_torch_compile.ipynb).
+
+torch.compile: captured graphs, graph breaks, recompilation, compile cost against step time.
 
 The functions that compile with inductor (``step_profile``, ``fusion_profile``) are meant to
 run in a fresh process (``helpers.isolate.call_isolated``): compiled code, dynamo's caches and
@@ -152,8 +154,8 @@ def prepare_compiler(device: torch.device | str = "cpu") -> float:
     compile cost. It uses the cache folder set at the time (normally the default one).
     """
     start = time.perf_counter()
-    import torch._dynamo  # noqa: F401
-    import torch._inductor.compile_fx  # noqa: F401
+    import torch._dynamo
+    import torch._inductor.compile_fx
 
     with quiet_dynamo():
         torch.compile(lambda t: 2 * t + 1)(torch.zeros(8, device=device))

@@ -5,7 +5,7 @@ import torch
 from matplotlib.figure import Figure
 
 from helpers import cli, results
-from helpers.capstone import (
+from helpers.lessons.putting_it_together import (
     SEED_RECIPES,
     ablation_table,
     half_precision,
@@ -102,7 +102,7 @@ def test_cli_prints_the_capstone_table(tmp_path, capsys):
 
 
 def test_speed_ratio_is_the_median_of_the_rounds_when_both_come_from_one_comparison():
-    from helpers.capstone import speed_ratio
+    from helpers.lessons.putting_it_together import speed_ratio
     from helpers.results import Record, with_speed
     from helpers.timing import Comparison
 

@@ -1,4 +1,6 @@
-"""Mixed precision: what each number format holds, a timed run on the learnable task, figures.
+"""Lesson 05, sections 1, 5, 6 (notebooks/05_mixed_precision.ipynb).
+
+Mixed precision: what each number format holds, a timed run on the learnable task, figures.
 
 The formats are described by their bit counts alone, so tf32 (an NVIDIA tensor-core mode that
 is not a torch dtype) gets the same row as fp32, fp16 and bf16.
@@ -13,9 +15,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from matplotlib.figure import Figure
 
+from helpers.names import MiB
 from helpers.timing import synchronize
 
-MiB = 2**20
 # name: (exponent bits, explicit mantissa bits); one sign bit on top.
 FORMAT_BITS = {"fp32": (8, 23), "tf32": (8, 10), "fp16": (5, 10), "bf16": (8, 7)}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

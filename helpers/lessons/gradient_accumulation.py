@@ -1,4 +1,6 @@
-"""Gradient accumulation: comparing gradients, padded causal-LM batches, timing micro-batches.
+"""Lesson 03, sections 1, 2, 5 (notebooks/03_gradient_accumulation.ipynb).
+
+Gradient accumulation: comparing gradients, padded causal-LM batches, timing micro-batches.
 
 ``helpers.train.Trainee.step`` accumulates ``grad_accum`` micro-batches per optimizer step and
 ``helpers.isolate.run`` measures such steps; this module adds what lesson 03 needs around them.

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import compiling
-from helpers.compiling import (
+from helpers.lessons import torch_compile as compiling
+from helpers.lessons.torch_compile import (
     GraphRecorder,
     break_even_steps,
     count_compiles,

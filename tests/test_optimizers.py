@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from helpers.optim_state import (
+from helpers.optimizer_state import (
     SHARED,
     StateTensor,
     bytes_per_param,
@@ -103,7 +103,7 @@ def test_tracked_bytes_follows_the_tracker_rules():
 
 
 def test_adamw_step_times_compares_implementations():
-    from helpers.optim_state import adamw_step_times
+    from helpers.lessons.optimizers import adamw_step_times
     from helpers.train import RunConfig
 
     out = adamw_step_times(
@@ -121,7 +121,7 @@ def test_adamw_step_times_compares_implementations():
 
 
 def test_markov_curves_sets_each_runs_learning_rate():
-    from helpers.optim_state import markov_curves
+    from helpers.lessons.optimizers import markov_curves
     from helpers.train import RunConfig
 
     cfg = RunConfig(model="llama-tiny", batch_size=2, seq_len=16, device="cpu")

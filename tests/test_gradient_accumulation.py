@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import accumulation as acc
+from helpers.lessons import gradient_accumulation as acc
 from helpers.models import build_model, load_config
 from helpers.train import RunConfig, measure
 

@@ -1,55 +1,20 @@
-"""LoRA with the peft package: adapters on a model, counted by hand and by peft, on any device.
+"""Lesson 13 (notebooks/13_peft_lora.ipynb).
+
+LoRA with the peft package: adapters counted by hand and by peft, on any device.
 
 LoRA (Hu et al., 2021) freezes a Linear layer's weight W (out x in) and learns a low-rank
 update beside it: y = W x + (alpha / r) B A x, with A (r x in) and B (out x r). B starts at
 zero, so the adapted model starts out equal to the base model. Each adapted layer adds
 r·(in + out) trainable numbers; the frozen weights keep no gradients and no optimizer state.
-``helpers.train.RunConfig(lora_r=...)`` trains this way and ``helpers.estimate`` predicts it.
+``helpers.models.apply_lora`` adds the adapters; ``helpers.train.RunConfig(lora_r=...)`` trains
+this way and ``helpers.estimate`` predicts it.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from helpers.models import task_kind
-
-
-def parse_targets(targets: str) -> list[str] | str | None:
-    """RunConfig.lora_targets as peft takes it: a list of names, "all-linear", or None (default)."""
-    targets = targets.strip()
-    if not targets:
-        return None
-    if targets == "all-linear":
-        return targets
-    return [t.strip() for t in targets.split(",") if t.strip()]
-
-
-def lora_config(kind: str, r: int, targets: str = "", alpha: float | None = None):
-    """A peft LoraConfig: rank r, alpha 2r unless given, no dropout, the task from ``kind``."""
-    from peft import LoraConfig, TaskType
-
-    if r < 1:
-        raise ValueError(f"LoRA rank must be at least 1, got {r}")
-    task = TaskType.SEQ_CLS if kind == "classify" else TaskType.CAUSAL_LM
-    return LoraConfig(
-        r=r,
-        lora_alpha=2 * r if alpha is None else alpha,
-        target_modules=parse_targets(targets),
-        lora_dropout=0.0,
-        task_type=task,
-    )
-
-
-def apply_lora(model: torch.nn.Module, r: int, targets: str = "", alpha: float | None = None):
-    """``peft.get_peft_model`` on a transformers model: weights frozen, adapters added."""
-    from peft import get_peft_model
-
-    config = lora_config(task_kind(model.config), r, targets, alpha)
-    with warnings.catch_warnings():  # peft calls a transformers method renamed in v5
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-        return get_peft_model(model, config)
+from helpers.models import parse_targets, task_kind
 
 
 def target_names(model: torch.nn.Module, targets: str = "") -> list[str]:

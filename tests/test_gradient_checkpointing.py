@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
-from helpers.checkpointing import (
+from helpers.lessons.gradient_checkpointing import (
     block_stack,
     enable_checkpointing,
     measure_quietly,

@@ -7,8 +7,7 @@ import torch
 from matplotlib.figure import Figure
 
 from helpers.hardware import precision_problem
-from helpers.models import build_model, load_config
-from helpers.precision import (
+from helpers.lessons.mixed_precision import (
     DTYPES,
     FORMAT_BITS,
     MarkovRun,
@@ -23,6 +22,7 @@ from helpers.precision import (
     peak_phase,
     range_figure,
 )
+from helpers.models import build_model, load_config
 from helpers.train import RunConfig
 
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ from accelerate.utils import find_executable_batch_size
 from accelerate.utils.memory import should_reduce_batch_size
 from matplotlib.figure import Figure
 
-from helpers.batching import (
+from helpers.lessons.batch_size import (
     RecognisedBudgetTracker,
     halving,
     matmul_figure,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from helpers.data import MarkovTask
-from helpers.loading import (
+from helpers.lessons.data_loading import (
     SPECIALS,
     Documents,
     LoopResult,
@@ -26,6 +27,7 @@ from helpers.loading import (
     starvation_figure,
     wordpiece_vocab,
 )
+from helpers.timing import Claim
 
 
 def test_words_and_vocabulary():
@@ -156,14 +158,27 @@ def test_loader_loop_accounts_every_step():
 def test_loop_rounds_alternate_fresh_runs_and_pool_their_steps():
     from dataclasses import replace
 
-    from helpers.loading import loop_rounds, pooled
+    from helpers.lessons.data_loading import loop_rounds, pooled
 
     base = LoopSpec(words_per_doc=40, seq_len=16, steps=2, warmup=1, device="cpu")
     specs = {"0 workers": base, "1 worker": replace(base, num_workers=1)}
-    out = loop_rounds(specs, rounds=2, max_rounds=2)
+    out = loop_rounds(specs, rounds=2, max_rounds=2, max_others=None)
     assert out.steps.rounds == 2 and [len(v) for v in out.runs.values()] == [2, 2]
     assert out.steps.times["1 worker"] == [r.step_time for r in out.runs["1 worker"]]
     one = out.pooled()["1 worker"]
     assert len(one.waits) == 4 and one.spec.num_workers == 1
     assert one.step_time == pytest.approx(sum(r.step_time for r in out.runs["1 worker"]) / 2)
     assert pooled(out.runs["0 workers"]).gpu_util is None
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="OtherLoad reads Linux's /proc")
+def test_loop_rounds_leave_out_rounds_run_while_other_processes_were_busy():
+    from helpers.lessons.data_loading import loop_rounds
+
+    spec = LoopSpec(words_per_doc=40, seq_len=16, steps=2, warmup=1, device="cpu")
+    # Any measured load, even none, is at least -1 core: every round is left out.
+    out = loop_rounds({"a": spec, "b": spec}, rounds=1, max_rounds=2, max_others=-1)
+    assert out.steps.rounds == 0 and out.runs == {"a": [], "b": []}
+    assert list(out.steps.left_out.values()) == [2]
+    claim = Claim("a", "faster", "b")
+    assert out.steps.verdict(claim) == "undecided" and "2 left out" in out.steps.describe(claim)
