@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import gc
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed._tools.mod_tracker import ModTracker
 
 from helpers import device as dev
 from helpers.names import MiB
@@ -67,6 +69,42 @@ class _NoHook:
         """Nothing to remove."""
 
 
+class _NoModuleHooks(ModTracker):
+    """A ``ModTracker`` that installs no hooks: ``is_bw`` still works, ``parents`` stays global."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args) -> None:
+        return None
+
+
+@dataclass
+class OffloadView:
+    """What an offloading engine (DeepSpeed ZeRO, lesson 08) keeps off the compute device.
+
+    With ``CategoryTracker(offload=...)`` only tensors on ``device``'s type count, except
+    storages in ``host`` (data pointers of the engine's host buffers) and whatever is created
+    inside ``optimizer.step()``, which then runs on the host; the optimizer's state joins
+    ``host`` after each step. ``fetched()`` gives the bytes of weights the engine has gathered
+    onto the device (ZeRO-3), which PyTorch's dispatch does not show as new tensors; they are
+    added to the device's total, and the budget applies to that sum.
+    """
+
+    device: torch.device
+    host: set[int]
+    fetched: Callable[[], int] | None = None
+
+
+def _walk_tensors(obj, depth: int = 3):
+    """Tensors inside ``obj``: a tensor, or dicts, lists and tuples holding them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 0 and isinstance(obj, (dict, list, tuple)):
+        for item in obj.values() if isinstance(obj, dict) else obj:
+            yield from _walk_tensors(item, depth - 1)
+
+
 class CategoryTracker(MemTracker):
     """``MemTracker`` plus what this course needs from it.
 
@@ -86,9 +124,25 @@ class CategoryTracker(MemTracker):
     - it puts a gradient hook on every parameter, and ``register_hook`` refuses a frozen one
       (LoRA, lesson 13): frozen weights are marked as hooked already, so MemTracker skips the
       hook and still counts them as parameters.
+
+    Options, instead of subclasses (this module is the course's only contact with
+    MemTracker's private methods; ``tests/test_memory.py`` pins the ones it relies on):
+    ``module_hooks=False`` counts bytes without module hooks (a batch search: the hooks keep
+    the graph of a forward that raised alive); ``oom_prefix`` goes in front of the budget's
+    OutOfMemoryError message; ``offload`` (an ``OffloadView``) counts only what an offloading
+    engine keeps on the compute device, fetched weights included (``device_peak``,
+    ``fetched_max``).
     """
 
-    def __init__(self, budget: int | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        budget: int | None = None,
+        device: torch.device | None = None,
+        *,
+        module_hooks: bool = True,
+        oom_prefix: str = "",
+        offload: OffloadView | None = None,
+    ) -> None:
         super().__init__()
         self.budget = budget
         # Count only this device's storages (None: each storage's own device). On CUDA,
@@ -100,6 +154,54 @@ class CategoryTracker(MemTracker):
         self._force_temp = False
         self._copies_live = 0
         self.copies_max = 0
+        self.oom_prefix = oom_prefix
+        self.offload = offload
+        self.fetched_max = 0  # offload: the most gathered weights at one moment
+        self.device_peak = 0  # offload: the largest device total, gathered weights included
+        if not module_hooks:
+            self._mod_tracker = _NoModuleHooks()
+
+    # -- the offload view (lesson 08) ----------------------------------------------------------
+
+    def _skip(self, t: torch.Tensor) -> bool:
+        o = self.offload
+        if o is None:
+            return False
+        if t.device.type != o.device.type or self._in_opt:
+            return True
+        return t.untyped_storage().data_ptr() in o.host
+
+    def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
+        if self._skip(t):
+            return set()
+        return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+
+    def _track_optimizer_states(self, reftype, optimizer) -> None:
+        if self.offload is None:
+            return super()._track_optimizer_states(reftype, optimizer)
+        # After each optimizer step: its state was created on the host, remember it.
+        for state in optimizer.state.values():
+            self.offload.host.update(t.untyped_storage().data_ptr() for t in _walk_tensors(state))
+        return None
+
+    def _update_peak_stats(self, peak_state) -> None:
+        if self.offload is None:  # per-module peaks: a scan per operator, unused offloading
+            super()._update_peak_stats(peak_state)
+
+    def _account(self, growing: bool) -> None:
+        o = self.offload
+        fetched = o.fetched() if o.fetched else 0
+        self.fetched_max = max(self.fetched_max, fetched)
+        snap = self._curr_mem_snap.get(o.device) or next(iter(self._curr_mem_snap.values()), {})
+        total = snap.get("Total", 0) + fetched
+        self.device_peak = max(self.device_peak, total)
+        if growing and self.budget is not None and total > self.budget:
+            fetched_text = f" ({fetched / MiB:.1f} MiB of fetched weights)" if fetched else ""
+            raise torch.OutOfMemoryError(
+                f"{self.oom_prefix}memory budget exceeded: the compute device would hold "
+                f"{total / MiB:.1f} MiB{fetched_text}, more than the {self.budget / MiB:.1f} "
+                "MiB budget."
+            )
 
     def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
         if install_grad_hooks:
@@ -116,25 +218,37 @@ class CategoryTracker(MemTracker):
             self.copies_max = max(self.copies_max, self._copies_live)
         elif u_type.name == "DEL" and getattr(winfo, "course_weight_copy", False):
             self._copies_live -= winfo.mem_consumed
+        if self.offload is not None:  # maxima as usual; the budget applies to the device sum
+            self._update_maxima(winfo.device)
+            self._account(u_type.name in ("ADD", "SIZE"))
+            return
         if self.device is not None and winfo.device != self.device:
             return
-        snap = self._curr_mem_snap.get(winfo.device)
+        snap = self._update_maxima(winfo.device)
         if snap is None:
             return
-        for reftype, name in CATEGORY.items():
-            self.maxima[name] = max(self.maxima[name], snap[reftype])
         total = snap["Total"]
-        if total > self.max_total:
-            self.max_total = total
-            self.max_snapshot = {CATEGORY[k]: v for k, v in snap.items() if k in CATEGORY}
         if self.budget is not None and total > self.budget and u_type.name in ("ADD", "SIZE"):
             held = ", ".join(f"{n} {v / MiB:.1f} MiB" for n, v in self._named(snap).items() if v)
             raise torch.OutOfMemoryError(
-                f"memory budget exceeded: this step needs more than the {self.budget / MiB:.1f} "
+                f"{self.oom_prefix}memory budget exceeded: this step needs more than the "
+                f"{self.budget / MiB:.1f} "
                 f"MiB budget ({winfo.mem_consumed / MiB:.2f} MiB requested with {held} held). "
                 "Use a smaller batch, gradient accumulation, checkpointing or 16-bit, or raise "
                 "the budget."
             )
+
+    def _update_maxima(self, device: torch.device) -> dict | None:
+        """Raise each category's maximum and the total's to ``device``'s current snapshot."""
+        snap = self._curr_mem_snap.get(device)
+        if snap is None:
+            return None
+        for reftype, name in CATEGORY.items():
+            self.maxima[name] = max(self.maxima[name], snap[reftype])
+        if snap["Total"] > self.max_total:
+            self.max_total = snap["Total"]
+            self.max_snapshot = self._named(snap)
+        return snap
 
     @staticmethod
     def _named(snap: dict) -> dict[str, int]:
@@ -142,6 +256,8 @@ class CategoryTracker(MemTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # A cast of a parameter inside forward is autocast's working copy: count it as temporary.
+        if self.offload is not None:
+            self._account(True)  # ZeRO-3 may have gathered weights since the last allocation
         if func in _CASTS and args and isinstance(args[0], torch.nn.Parameter):
             self._force_temp = True
         try:
@@ -160,6 +276,8 @@ class CategoryTracker(MemTracker):
         super()._pre_fw_hook(module, inputs)
 
     def _track(self, reftype, t: torch.Tensor) -> None:
+        if self._skip(t):
+            return
         # Only __torch_dispatch__ calls _track, so OPT here means "allocated during step()".
         if self._force_temp or reftype == _MemRefType.OPT:
             reftype = _MemRefType.TEMP

@@ -266,27 +266,11 @@ def _run(cfg, budget: int | None) -> dict:
         trainee = Trainee(cfg)
         for _ in range(max(1, cfg.warmup)):  # the optimizer state exists from the first step
             trainee.step()
-        tracker = AccumulatingTracker(budget=None if capped else budget, device=device)
+        tracker = CategoryTracker(budget=None if capped else budget, device=device)
         tracker.track_external(trainee.model, trainee.optimizer)
         with tracker:
             trainee.step()
     return {"peak": tracker.peaks().peak}
-
-
-class AccumulatingTracker(CategoryTracker):
-    """CategoryTracker that accepts several micro-batches in one tracked step.
-
-    torch's MemTracker refuses a second forward of the root module inside one tracked region;
-    with gradient accumulation that is the normal case, so its per-module statistics (which
-    the course does not use) are reset when the root module starts another forward.
-    """
-
-    def _pre_fw_hook(self, module, inputs):
-        if module in self.memory_tracking and not self._mod_tracker.is_bw:
-            name = self._mod_tracker.get_known_fqn(module)
-            if set(self._mod_tracker.parents) - {name} <= {"Global"}:
-                self.reset_mod_stats()
-        return super()._pre_fw_hook(module, inputs)
 
 
 def measure_candidate(

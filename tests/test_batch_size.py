@@ -9,19 +9,19 @@ from accelerate.utils.memory import should_reduce_batch_size
 from matplotlib.figure import Figure
 
 from helpers.lessons.batch_size import (
-    RecognisedBudgetTracker,
     halving,
     matmul_figure,
     matmul_timing,
     raise_if_oom,
     recognised_budget,
+    recognised_tracker,
     throughput_memory_figure,
 )
 from helpers.memory import CategoryTracker
+from helpers.names import MiB
 from helpers.results import Record
 
 CPU = torch.device("cpu")
-MiB = 2**20
 
 
 def test_halving_reduces_by_half_each_call():
@@ -40,7 +40,7 @@ def test_raise_if_oom_only_for_oom_records():
 def test_budget_error_is_recognised_only_when_wrapped():
     with pytest.raises(torch.OutOfMemoryError) as plain, CategoryTracker(budget=MiB):
         torch.empty(2 * MiB)
-    with pytest.raises(torch.OutOfMemoryError) as wrapped, RecognisedBudgetTracker(budget=MiB):
+    with pytest.raises(torch.OutOfMemoryError) as wrapped, recognised_tracker(budget=MiB):
         torch.empty(2 * MiB)
     assert not should_reduce_batch_size(plain.value)  # why the course wraps it
     assert should_reduce_batch_size(wrapped.value)

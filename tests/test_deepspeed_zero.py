@@ -9,6 +9,7 @@ import torch
 
 from helpers.isolate import call_isolated
 from helpers.lessons import deepspeed_zero as zero
+from helpers.memory import CategoryTracker, OffloadView
 from helpers.models import build_model, count_params, load_config
 from helpers.names import MiB
 
@@ -84,17 +85,17 @@ def test_storage_and_tensor_bytes_count_views_differently():
     assert zero.tensor_bytes([flat[:10]]) == 40 and zero.storage_bytes([flat[:10]]) == 400
 
 
-def test_device_tracker_ignores_host_buffers_and_enforces_the_budget():
+def test_offload_view_ignores_host_buffers_and_enforces_the_budget():
     host = torch.zeros(1024, 1024)  # 4 MiB "offloaded"
-    with zero.DeviceTracker(torch.device("cpu"), {host.untyped_storage().data_ptr()}) as tracker:
+    view = OffloadView(torch.device("cpu"), {host.untyped_storage().data_ptr()})
+    with CategoryTracker(offload=view) as tracker:
         host.add_(1)  # in place: no allocation
         _ = host * 2  # 4 MiB on the device side
         view = host[:10]  # a view of a host buffer is not device memory
         view.sum()
     assert 4 * MiB <= tracker.device_peak < 4 * MiB + 4096
-    fetched = zero.DeviceTracker(
-        torch.device("cpu"), set(), budget=5 * MiB, fetched=lambda: 2 * MiB
-    )
+    view = OffloadView(torch.device("cpu"), set(), fetched=lambda: 2 * MiB)
+    fetched = CategoryTracker(budget=5 * MiB, offload=view)
     with pytest.raises(torch.OutOfMemoryError, match="fetched"):
         with fetched:
             torch.zeros(1024, 1024)  # 4 MiB + 2 MiB of fetched weights > 5 MiB

@@ -128,15 +128,15 @@ def test_8bit_adamw_state_is_exact(models, family):
 
 
 def test_accumulation_keeps_every_gradient_through_the_step(models):
-    # measure() cannot track several micro-batches (torch's MemTracker refuses a second
-    # forward); the planner's tracker can.
-    from helpers.plan import AccumulatingTracker
+    # Several micro-batches in one tracked step: torch's MemTracker refuses a second forward
+    # of the root module, and CategoryTracker resets its per-module statistics instead.
+    from helpers.memory import CategoryTracker
     from helpers.train import Trainee
 
     cfg = RunConfig(model=models["llama-tiny"], batch_size=2, grad_accum=2, repeats=1)
     trainee = Trainee(cfg)
     trainee.step()
-    tracker = AccumulatingTracker()
+    tracker = CategoryTracker()
     tracker.track_external(trainee.model, trainee.optimizer)
     with tracker:
         trainee.step()

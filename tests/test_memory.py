@@ -201,3 +201,36 @@ def test_the_usual_preload_never_asks_cuda_but_bitsandbytes_does():
     asked = json.loads(done.stdout.strip().splitlines()[-1])
     assert all(asked[m] == [] for m in modules[:-1]), asked
     assert "is_available" in asked["bitsandbytes"], asked
+
+
+def test_the_private_memtracker_api_the_course_relies_on_is_still_there():
+    # helpers.memory is the course's only contact with MemTracker's private methods. A torch
+    # upgrade that renames or reshapes one fails here, by name, instead of somewhere deep in
+    # a lesson: update CategoryTracker (and this list) to the new names.
+    import inspect
+
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    methods = {
+        "_update_snap": ["u_type", "winfo", "old_mem_consumed", "old_reftype"],
+        "_track": ["reftype", "t"],
+        "_pre_fw_hook": ["module", "inputs"],
+        "_track_module_params_and_buffers": ["module", "install_grad_hooks"],
+        "_update_peak_stats": ["peak_state"],
+        "_track_optimizer_states": ["reftype", "optimizer"],
+        "_update_and_maybe_create_winfos": ["t", "reftype", "update_existing"],
+        "reset_mod_stats": [],
+    }
+    for name, params in methods.items():
+        assert hasattr(MemTracker, name), f"MemTracker.{name} is gone"
+        found = list(inspect.signature(getattr(MemTracker, name)).parameters)[1:]
+        assert found == params, f"MemTracker.{name}{tuple(found)}, the course expects {params}"
+    tracker = MemTracker()
+    for attr in ("_mod_tracker", "_curr_mem_snap", "_param_to_grad_hook_handles", "_in_opt",
+                 "memory_tracking"):  # fmt: skip
+        assert hasattr(tracker, attr), f"MemTracker instances have no {attr} any more"
+    kinds = {"PARAM", "BUFFER", "GRAD", "OPT", "ACT", "TEMP", "OTH"}
+    assert kinds <= _MemRefType.__members__.keys(), _MemRefType.__members__.keys()
+    for attr in ("is_bw", "parents", "get_known_fqn"):
+        assert hasattr(ModTracker(), attr), f"ModTracker has no {attr} any more"

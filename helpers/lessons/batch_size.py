@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import torch
 from matplotlib.figure import Figure
-from torch.distributed._tools.mod_tracker import ModTracker
 
 from helpers.memory import CategoryTracker, memory_budget
 from helpers.names import MiB
@@ -47,33 +46,15 @@ def raise_if_oom(record) -> None:
         raise torch.OutOfMemoryError(f"run{OOM_PHRASE} {record.error}")
 
 
-class RecognisedBudgetTracker(CategoryTracker):
-    """A budgeted ``CategoryTracker`` whose OOM message accelerate's search recognises."""
+def recognised_tracker(budget: int | None = None, device: torch.device | None = None):
+    """A budgeted ``CategoryTracker`` whose OOM message accelerate's search recognises.
 
-    def __init__(self, budget: int | None = None, device: torch.device | None = None) -> None:
-        super().__init__(budget, device)
-        # MemTracker's module hooks keep the autograd graph of a forward that raised alive (its
-        # backward hooks and the graph reference each other), so every retry after an OOM would
-        # start with the failed attempt's activations still counted; and they refuse a second
-        # forward of the root module (the next step). A search needs only byte totals, which
-        # the dispatch mode counts without any module hook, so we switch the hooks off.
-        self._mod_tracker = _NoModuleHooks()
-
-    def _update_snap(self, *args, **kwargs) -> None:
-        try:
-            super()._update_snap(*args, **kwargs)
-        except torch.OutOfMemoryError as err:
-            raise torch.OutOfMemoryError(f"budget{OOM_PHRASE} {err}") from None
-
-
-class _NoModuleHooks(ModTracker):
-    """A ``ModTracker`` that installs no hooks: ``is_bw`` still works, ``parents`` stays global."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *args) -> None:
-        return None
+    Without module hooks: they keep the autograd graph of a forward that raised alive (its
+    backward hooks and the graph reference each other), so every retry after an OOM would
+    start with the failed attempt's activations still counted; and they refuse a second
+    forward of the root module (the next step). A search needs only byte totals.
+    """
+    return CategoryTracker(budget, device, module_hooks=False, oom_prefix=f"budget{OOM_PHRASE} ")
 
 
 @contextlib.contextmanager
@@ -87,7 +68,7 @@ def recognised_budget(nbytes: int, *tracked, device: torch.device):
         with memory_budget(nbytes, device=device):
             yield None
         return
-    tracker = RecognisedBudgetTracker(budget=nbytes, device=device)
+    tracker = recognised_tracker(budget=nbytes, device=device)
     tracker.track_external(*tracked)
     with tracker:
         yield tracker

@@ -12,8 +12,9 @@ must not leak into the next experiment.
 Where the bytes of a ZeRO run live is measured two ways:
 - by owner, between steps: what the model (``engine.module``) holds, and what DeepSpeed keeps
   in its offload buffers (fp32 master weights, gradient partitions, optimizer state);
-- during a step, with ``DeviceTracker``: every tensor on the compute device except DeepSpeed's
-  offload buffers, plus, for ZeRO-3, the weights fetched for the layers being computed.
+- during a step, with ``CategoryTracker(offload=OffloadView(...))``: every tensor on the
+  compute device except DeepSpeed's offload buffers, plus, for ZeRO-3, the weights fetched
+  for the layers being computed.
 On a GPU the offload buffers are in host RAM and everything else is in GPU memory. On a CPU
 both are the same RAM: "offload" copies nothing (ZeRO-3's fetch is then a view of the host copy,
 which is why the fetched weights are counted from DeepSpeed's own parameter status).
@@ -199,71 +200,6 @@ def device_buffers(ds_optimizer) -> list[torch.Tensor]:
     return [t for n in DEVICE_BUFFERS for t in _tensors(getattr(ds_optimizer, n, None))]
 
 
-class DeviceTracker(CategoryTracker):
-    """``CategoryTracker`` restricted to what a ZeRO-offload run keeps on the compute device.
-
-    It ignores tensors on another device, tensors whose storage is one of DeepSpeed's offload
-    buffers (``host``: storage pointers), and everything allocated inside the optimizer's
-    ``step()`` (with the optimizer offloaded, that runs on the host). ``fetched()`` returns the
-    bytes of ZeRO-3 weights gathered at this moment; they are added to the device total, which
-    is checked against ``budget`` like ``CategoryTracker`` does.
-    """
-
-    def __init__(self, device: torch.device, host: set[int], budget=None, fetched=None) -> None:
-        super().__init__(budget=None)
-        self.device_budget = budget
-        self.compute_device = torch.device(device)
-        self.host = host
-        self.fetched = fetched or (lambda: 0)
-        self.fetched_max = 0
-        self.device_peak = 0
-
-    def _update_peak_stats(self, peak_state) -> None:
-        pass  # MemTracker's per-module peaks: unused here, and they cost a scan per operator
-
-    def _skip(self, t: torch.Tensor) -> bool:
-        if t.device.type != self.compute_device.type or self._in_opt:
-            return True
-        return t.untyped_storage().data_ptr() in self.host
-
-    def _track(self, reftype, t: torch.Tensor) -> None:
-        if not self._skip(t):
-            super()._track(reftype, t)
-
-    def _track_optimizer_states(self, reftype, optimizer) -> None:
-        # Called after each optimizer step: its state was created on the host, remember it.
-        for state in optimizer.state.values():
-            self.host.update(t.untyped_storage().data_ptr() for t in _tensors(state))
-
-    def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
-        if self._skip(t):
-            return set()
-        return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
-
-    def _account(self, growing: bool) -> None:
-        fetched = self.fetched()
-        self.fetched_max = max(self.fetched_max, fetched)
-        snap = self._curr_mem_snap.get(self.compute_device) or next(
-            iter(self._curr_mem_snap.values()), {}
-        )
-        total = snap.get("Total", 0) + fetched
-        self.device_peak = max(self.device_peak, total)
-        if growing and self.device_budget is not None and total > self.device_budget:
-            fetched_text = f" ({fetched / MiB:.1f} MiB of fetched weights)" if fetched else ""
-            raise torch.OutOfMemoryError(
-                f"memory budget exceeded: the compute device would hold {total / MiB:.1f} MiB"
-                f"{fetched_text}, more than the {self.device_budget / MiB:.1f} MiB budget."
-            )
-
-    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
-        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
-        self._account(u_type.name in ("ADD", "SIZE"))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self._account(True)  # ZeRO-3 may have fetched weights since the last allocation
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
 @dataclass
 class ZeroRun:
     """One ZeRO-offload experiment: the model, the batch, and what is offloaded."""
@@ -342,13 +278,13 @@ def zero_step(run: ZeroRun):
 def measure_zero(run: ZeroRun):
     """Train ``run`` with DeepSpeed ZeRO + CPU offload in this process; one Record of it.
 
-    Call it in a fresh process. ``memory`` holds the device side (``DeviceTracker`` on a CPU,
-    the allocator's peak on a GPU) and, under ``offloaded``, the bytes DeepSpeed keeps in host
-    buffers; ``resident`` is what the model itself holds between steps.
+    Call it in a fresh process. ``memory`` holds the device side (on a CPU the tracker's
+    ``OffloadView``, on a GPU the allocator's peak) and, under ``offloaded``, the bytes
+    DeepSpeed keeps in host buffers; ``resident`` is what the model itself holds between steps.
     """
     from helpers.device import nvml_used_bytes, resolve
     from helpers.hardware import hardware_report
-    from helpers.memory import allocator_peaks, memory_budget, reset_device_peaks
+    from helpers.memory import OffloadView, allocator_peaks, memory_budget, reset_device_peaks
     from helpers.results import Record
     from helpers.timing import time_fn
 
@@ -375,12 +311,12 @@ def measure_zero(run: ZeroRun):
             reset_device_peaks(device)
             step()
         else:
-            peaks = DeviceTracker(
+            view = OffloadView(
                 device,
                 {t.untyped_storage().data_ptr() for t in host["buffers"] + host["optimizer_state"]},
-                budget=run.budget,
                 fetched=_fetched_counter(engine.module) if run.stage == 3 else None,
             )
+            peaks = CategoryTracker(budget=run.budget, offload=view)
             peaks.track_external(engine.module, *device_buffers(ds_optimizer))
             with peaks:  # one steady-state step
                 step()
