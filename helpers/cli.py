@@ -50,10 +50,9 @@ def _measure(args) -> int:
     from helpers.results import save
     from helpers.train import measure
 
-    if args.optimizer not in OPTIMIZERS:
-        return _fail(f"unknown optimizer {args.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    if args.batch_size < 1 or args.seq_len < 1 or args.lora_r < 0:
-        return _fail("--batch-size and --seq-len must be positive, --lora-r not negative")
+    problem = _run_problem(args)
+    if problem:
+        return _fail(problem)
     try:
         config = load_config(args.model)
     except Exception as err:  # missing file, bad JSON, unknown model type, no hub
@@ -86,14 +85,17 @@ def _measure(args) -> int:
         nvml_used=record.nvml_used,
         mfu=record.mfu,
     )
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        for key, value in summary.items():
-            if isinstance(value, int) and key != "n_params":
-                value = f"{value:,} B ({value / MiB:.1f} MiB)"
-            print(f"{key:>26}: {value}")
+    _print_summary(summary, args.json)
     return 0
+
+
+def _run_problem(args) -> str | None:
+    """What is wrong with the run arguments ``measure`` and ``estimate`` share, if anything."""
+    if args.optimizer not in OPTIMIZERS:
+        return f"unknown optimizer {args.optimizer!r}: use one of {', '.join(OPTIMIZERS)}"
+    if args.batch_size < 1 or args.seq_len < 1 or args.lora_r < 0:
+        return "--batch-size and --seq-len must be positive, --lora-r not negative"
+    return None
 
 
 def _print_summary(summary: dict, as_json: bool) -> None:
@@ -109,10 +111,9 @@ def _print_summary(summary: dict, as_json: bool) -> None:
 def _estimate(args) -> int:
     from helpers.estimate import estimate_run
 
-    if args.optimizer not in OPTIMIZERS:
-        return _fail(f"unknown optimizer {args.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    if args.batch_size < 1 or args.seq_len < 1 or args.lora_r < 0:
-        return _fail("--batch-size and --seq-len must be positive, --lora-r not negative")
+    problem = _run_problem(args)
+    if problem:
+        return _fail(problem)
     try:
         est = estimate_run(_run_config(args))
     except (OSError, ValueError, KeyError) as err:  # unreadable config, unknown family, limits

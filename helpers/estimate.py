@@ -422,24 +422,14 @@ def _cast_moment(
 
 
 @dataclass(frozen=True)
-class _Bert:
-    """A BERT config's sizes for one step's shape: what each encoder block builder reads."""
+class _Sizes:
+    """A config's sizes for one step's shape, what every block builder reads."""
 
     m: ModelInfo
     z: _Shape
-    gc: bool
-    h: int
-    a: int
-    inter: int
-    layers: int
-    labels: int
-    p_hidden: float
-    p_attn: float
-    p_cls: float
-    es: int  # bytes per attention probability
-    eq: int  # bytes per q/k/v copy kept by the score matmuls
-    math_sdpa: bool  # SDPA falls back to its math kernel (CPU, attention dropout)
-    fused: bool  # SDPA with a fused kernel: no a·s² tensor kept
+    gc: bool  # gradient checkpointing
+    h: int  # hidden size
+    a: int  # attention heads
 
     @property
     def th(self) -> int:
@@ -455,6 +445,22 @@ class _Bert:
     def scores(self) -> int:
         """Values in one attention-score tensor (b, a, s, s)."""
         return self.z.b * self.a * self.z.s * self.z.s
+
+
+@dataclass(frozen=True)
+class _Bert(_Sizes):
+    """A BERT config's sizes: what each encoder block builder reads."""
+
+    inter: int
+    layers: int
+    labels: int
+    p_hidden: float
+    p_attn: float
+    p_cls: float
+    es: int  # bytes per attention probability
+    eq: int  # bytes per q/k/v copy kept by the score matmuls
+    math_sdpa: bool  # SDPA falls back to its math kernel (CPU, attention dropout)
+    fused: bool  # SDPA with a fused kernel: no a·s² tensor kept
 
 
 def _bert(m: ModelInfo, z: _Shape, attn: str, gc: bool) -> _Bert:
@@ -656,14 +662,9 @@ def _bert_head_and_loss(x: _Bert) -> list[Stage]:
 
 
 @dataclass(frozen=True)
-class _Decoder:
-    """A Llama-style config's sizes for one step's shape: what each decoder block builder reads."""
+class _Decoder(_Sizes):
+    """A Llama-style config's sizes: what each decoder block builder reads."""
 
-    m: ModelInfo
-    z: _Shape
-    gc: bool
-    h: int
-    a: int
     kv: int  # key/value heads (fewer than a with grouped-query attention)
     d: int  # head dimension
     layers: int
@@ -675,11 +676,6 @@ class _Decoder:
     eager_mask: int  # bytes of the causal mask eager attention builds
 
     @property
-    def th(self) -> int:
-        """Values in one hidden-sized activation."""
-        return self.z.t * self.h
-
-    @property
     def tq(self) -> int:
         """Values in the queries (all heads)."""
         return self.z.t * self.a * self.d
@@ -688,16 +684,6 @@ class _Decoder:
     def tkv(self) -> int:
         """Values in the keys, or in the values (key/value heads only)."""
         return self.z.t * self.kv * self.d
-
-    @property
-    def g(self) -> int:
-        """The residual stream's gradient, fp32."""
-        return FP32 * self.th
-
-    @property
-    def scores(self) -> int:
-        """Values in one attention-score tensor (b, a, s, s)."""
-        return self.z.b * self.a * self.z.s * self.z.s
 
 
 def _decoder(m: ModelInfo, z: _Shape, attn: str, gc: bool) -> _Decoder:

@@ -218,21 +218,50 @@ def _measure(cfg: RunConfig) -> Record:
 
 @dataclass
 class TrainResult:
-    """Loss curve of a convergence run on the learnable task."""
+    """Loss curve, step times and (fp16) loss scales of a run on the learnable task."""
 
+    precision: str = "fp32"
     losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)  # seconds, one per optimizer step
+    scales: list[float] = field(default_factory=list)  # GradScaler's scale after each step (fp16)
     best_loss: float = 0.0  # the task's entropy rate (causal LM)
     uniform_loss: float = 0.0  # log(n_states): a model that learnt nothing
 
+    def final(self, last: int = 5) -> float:
+        """Mean loss of the last ``last`` steps (one batch's loss is noisy)."""
+        tail = self.losses[-last:]
+        return sum(tail) / len(tail)
 
-def train_markov(cfg: RunConfig, steps: int) -> TrainResult:
-    """Train ``cfg`` on the learnable Markov task for ``steps`` optimizer steps."""
+    @property
+    def step_time(self) -> float:
+        """Median seconds per step, the first (warm-up) step excluded."""
+        times = sorted(self.step_times[1:] or self.step_times)
+        return times[len(times) // 2]
+
+
+def train_markov(cfg: RunConfig, steps: int, lr: float | None = None) -> TrainResult:
+    """Train ``cfg`` on the learnable Markov task for ``steps`` optimizer steps, each timed.
+
+    ``lr``, if given, replaces every parameter group's learning rate (each optimizer of the
+    course reads its group's rate at every step).
+    """
     from dataclasses import replace
 
     trainee = Trainee(replace(cfg, data="markov"))
+    if lr is not None:
+        for group in trainee.optimizer.param_groups:
+            group["lr"] = lr
+    task = trainee.task
+    out = TrainResult(cfg.precision, best_loss=task.entropy_rate, uniform_loss=task.uniform_loss)
     for _ in range(steps):
-        trainee.step()
-    return TrainResult(trainee.losses, trainee.task.entropy_rate, trainee.task.uniform_loss)
+        synchronize(trainee.device)
+        start = time.perf_counter()
+        out.losses.append(trainee.step())  # float() inside waits for the device
+        synchronize(trainee.device)
+        out.step_times.append(time.perf_counter() - start)
+        if trainee.scaler is not None:
+            out.scales.append(float(trainee.scaler.get_scale()))
+    return out
 
 
 @dataclass

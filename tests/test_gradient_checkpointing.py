@@ -12,7 +12,6 @@ from torch.utils.checkpoint import checkpoint_sequential
 from helpers.lessons.gradient_checkpointing import (
     block_stack,
     enable_checkpointing,
-    measure_quietly,
     optimal_segments,
     paired_step_times,
     predicted_activation_bytes,
@@ -20,7 +19,7 @@ from helpers.lessons.gradient_checkpointing import (
     stack_step_memory,
 )
 from helpers.models import build_model, load_config
-from helpers.train import RunConfig
+from helpers.train import RunConfig, measure
 
 
 def _grads(segments: int, dropout: float):
@@ -73,13 +72,13 @@ def test_enable_checkpointing_is_quiet_and_switches_layers_on():
     assert flag and model.config.use_cache is False
 
 
-def test_paired_timing_and_quiet_measure():
+def test_paired_timing_and_measure():
     cfg = RunConfig(model="bert-tiny", batch_size=2, seq_len=16, warmup=1, repeats=1, flops=False)
     paired = paired_step_times(cfg, repeats=2)
     assert len(paired.plain) == len(paired.checkpointed) == len(paired.forward) == 2
     assert all(r > 0 for r in paired.ratios) and math.isfinite(paired.extra_over_forward)
-    plain = measure_quietly(cfg)
-    ckpt = measure_quietly(RunConfig(**{**cfg.as_dict(), "gradient_checkpointing": True}))
+    plain = measure(cfg)
+    ckpt = measure(RunConfig(**{**cfg.as_dict(), "gradient_checkpointing": True}))
     assert ckpt.memory["params"] == plain.memory["params"]
     assert ckpt.memory["activations"] < plain.memory["activations"]
 

@@ -10,20 +10,18 @@ from helpers.hardware import precision_problem
 from helpers.lessons.mixed_precision import (
     DTYPES,
     FORMAT_BITS,
-    MarkovRun,
     cpu_16bit_instructions,
     crossover_figure,
     float_format,
     linear_params,
     loss_figure,
-    markov_run,
     markov_runs,
     measure_series,
     peak_phase,
     range_figure,
 )
 from helpers.models import build_model, load_config
-from helpers.train import RunConfig
+from helpers.train import RunConfig, TrainResult, train_markov
 
 CPU = torch.device("cpu")
 
@@ -90,7 +88,7 @@ def test_markov_run_records_every_step(precision):
     if precision_problem(precision, CPU):
         pytest.skip(precision_problem(precision, CPU))
     cfg = RunConfig(model="llama-tiny", batch_size=2, seq_len=8, precision=precision, device="cpu")
-    run = markov_run(cfg, 3)
+    run = train_markov(cfg, 3)
     assert len(run.losses) == len(run.step_times) == 3 and run.step_time > 0
     assert len(run.scales) == (3 if precision == "fp16" else 0)  # GradScaler only for fp16
     assert 0 < run.best_loss < run.uniform_loss < run.losses[0]  # starts near log(vocab)
@@ -108,5 +106,5 @@ def test_figures_are_figures():
     half = {"peak": 9, "activations": 2, "weight_copies": 1, "params": 1}
     assert isinstance(range_figure(list(FORMAT_BITS), {"x": 1e-8}), Figure)
     assert isinstance(crossover_figure([8, 16], [mem, mem], [half, half]), Figure)
-    run = MarkovRun("fp32", losses=[3.0, 2.0], step_times=[0.1, 0.1], best_loss=1, uniform_loss=4)
-    assert isinstance(loss_figure({"fp32": run, "bf16": MarkovRun("bf16", [3.0, 2.1])}), Figure)
+    run = TrainResult("fp32", losses=[3.0, 2.0], step_times=[0.1, 0.1], best_loss=1, uniform_loss=4)
+    assert isinstance(loss_figure({"fp32": run, "bf16": TrainResult("bf16", [3.0, 2.1])}), Figure)

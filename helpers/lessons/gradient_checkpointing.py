@@ -184,32 +184,3 @@ def paired_step_times(cfg, repeats: int = 20) -> PairedTiming:
         disable_checkpointing(model)
         out.forward.append(timed(forward))
     return out
-
-
-def measure_quietly(cfg):
-    """``helpers.train.measure(cfg)`` without two harmless transformers notices.
-
-    ``Trainee`` enables checkpointing through ``gradient_checkpointing_enable``, which
-    transformers 5 calls deprecated (FutureWarning), and leaves ``use_cache`` on, which the
-    checkpointed layers switch off with a logged notice. Neither changes what is measured.
-    """
-    import logging
-    import warnings
-
-    from helpers.train import measure
-
-    loggers = [
-        logging.getLogger(n) for n in ("transformers.utils.generic", "transformers.modeling_layers")
-    ]
-    levels = [log.level for log in loggers]
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=r".*gradient_checkpointing", category=FutureWarning
-        )
-        for log in loggers:
-            log.setLevel(logging.ERROR)
-        try:
-            return measure(cfg)
-        finally:
-            for log, level in zip(loggers, levels, strict=True):
-                log.setLevel(level)

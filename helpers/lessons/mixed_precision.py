@@ -8,15 +8,14 @@ is not a torch dtype) gets the same row as fp32, fp16 and bf16.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import torch
 from matplotlib.figure import Figure
 
 from helpers.names import MiB
-from helpers.timing import synchronize
+from helpers.train import TrainResult, train_markov
 
 # name: (exponent bits, explicit mantissa bits); one sign bit on top.
 FORMAT_BITS = {"fp32": (8, 23), "tf32": (8, 10), "fp16": (5, 10), "bf16": (8, 7)}
@@ -115,29 +114,6 @@ def peak_phase(memory: Mapping) -> str:
     return "optimizer step" if at.get("gradients", 0) >= memory["params"] else "fwd/bwd"
 
 
-@dataclass
-class MarkovRun:
-    """Loss curve and step times of a training run on the learnable task."""
-
-    precision: str
-    losses: list[float] = field(default_factory=list)
-    step_times: list[float] = field(default_factory=list)  # seconds, one per optimizer step
-    scales: list[float] = field(default_factory=list)  # GradScaler's scale after each step (fp16)
-    best_loss: float = 0.0  # the task's entropy rate
-    uniform_loss: float = 0.0  # log(n_states)
-
-    def final(self, last: int = 5) -> float:
-        """Mean loss of the last ``last`` steps (one batch's loss is noisy)."""
-        tail = self.losses[-last:]
-        return sum(tail) / len(tail)
-
-    @property
-    def step_time(self) -> float:
-        """Median seconds per step, the first (warm-up) step excluded."""
-        times = sorted(self.step_times[1:] or self.step_times)
-        return times[len(times) // 2]
-
-
 def measure_series(cfgs: Sequence) -> list:
     """``helpers.train.measure`` of each RunConfig in turn, in this process; OOM comes back."""
     from helpers.isolate import run
@@ -145,28 +121,9 @@ def measure_series(cfgs: Sequence) -> list:
     return [run(cfg, isolate=False) for cfg in cfgs]
 
 
-def markov_run(cfg, steps: int) -> MarkovRun:
-    """Train ``cfg`` (a RunConfig) on the Markov task for ``steps`` steps, timing each step."""
-    from helpers.train import Trainee
-
-    trainee = Trainee(replace(cfg, data="markov"))
-    out = MarkovRun(
-        cfg.precision, best_loss=trainee.task.entropy_rate, uniform_loss=trainee.task.uniform_loss
-    )
-    for _ in range(steps):
-        synchronize(trainee.device)
-        start = time.perf_counter()
-        out.losses.append(trainee.step())  # float() inside waits for the device
-        synchronize(trainee.device)
-        out.step_times.append(time.perf_counter() - start)
-        if trainee.scaler is not None:
-            out.scales.append(float(trainee.scaler.get_scale()))
-    return out
-
-
-def markov_runs(cfgs: Sequence, steps: int) -> list[MarkovRun]:
-    """``markov_run`` of each RunConfig in turn, in this process (call it isolated)."""
-    return [markov_run(cfg, steps) for cfg in cfgs]
+def markov_runs(cfgs: Sequence, steps: int) -> list[TrainResult]:
+    """``helpers.train.train_markov`` of each RunConfig in turn, in this process (isolate it)."""
+    return [train_markov(cfg, steps) for cfg in cfgs]
 
 
 def range_figure(names: Sequence[str], marks: Mapping[str, float] | None = None) -> Figure:
@@ -238,7 +195,7 @@ def crossover_figure(
     return fig
 
 
-def loss_figure(runs: Mapping[str, MarkovRun], reference: str = "fp32") -> Figure:
+def loss_figure(runs: Mapping[str, TrainResult], reference: str = "fp32") -> Figure:
     """Left: loss curves and the task's best and uniform losses; right: minus ``reference``."""
     fig = Figure(figsize=(11, 4), layout="constrained")
     left, right = fig.subplots(1, 2)

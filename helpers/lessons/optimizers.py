@@ -64,20 +64,9 @@ def markov_curves(runs: dict, steps: int) -> dict:
     Each run builds its own model from its seed, so runs do not influence each other; they
     share one process only to pay the imports once.
     """
-    from dataclasses import replace
+    from helpers.train import train_markov
 
-    from helpers.train import Trainee, TrainResult
-
-    out = {}
-    for label, (cfg, lr) in runs.items():
-        trainee = Trainee(replace(cfg, data="markov"))
-        for group in trainee.optimizer.param_groups:
-            group["lr"] = lr  # every optimizer here reads its group's lr at each step
-        for _ in range(steps):
-            trainee.step()
-        task = trainee.task
-        out[label] = TrainResult(trainee.losses, task.entropy_rate, task.uniform_loss)
-    return out
+    return {label: train_markov(cfg, steps, lr) for label, (cfg, lr) in runs.items()}
 
 
 def trainer_states(model_name: str, optims: list[str], steps: int = 2, seed: int = 0) -> dict:
