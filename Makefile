@@ -174,27 +174,7 @@ course: export COURSE_CLAIMS := $(CURDIR)/build/course-claims.jsonl
 course: $(ENV_READY)
 	@mkdir -p $(EXECUTED_DIR)
 	@rm -f $(COURSE_RESULTS_FILE) build/course-claims.jsonl
-	@failed=(); n=0; total=$(words $(NOTEBOOKS)); \
-	for nb in $(NOTEBOOKS); do \
-	  n=$$((n + 1)); start=$$(date +%s); \
-	  echo "=== [$$n/$$total] $$nb"; \
-	  if $(PYTHON) -m jupyter nbconvert --to notebook --execute \
-	       --ExecutePreprocessor.timeout=-1 --output-dir $(EXECUTED_DIR) "$$nb"; then \
-	    echo "=== [$$n/$$total] $$nb done in $$(( $$(date +%s) - start )) s"; \
-	  else \
-	    echo "=== [$$n/$$total] $$nb FAILED after $$(( $$(date +%s) - start )) s"; \
-	    failed+=("$$nb"); \
-	  fi; \
-	done; \
-	echo "Executed notebooks are in $(EXECUTED_DIR)/; results in $(COURSE_RESULTS_FILE)"; \
-	$(PYTHON) -m helpers summary; \
-	echo; $(PYTHON) -m helpers capstone; \
-	echo; $(PYTHON) -m helpers claims; \
-	if [ $${#failed[@]} -ne 0 ]; then \
-	  echo "Failed notebooks (the traceback is printed above each FAILED line):"; \
-	  printf '  %s\n' "$${failed[@]}"; \
-	  exit 1; \
-	fi
+	@$(PYTHON) tools/run_course.py --out $(EXECUTED_DIR) $(NOTEBOOKS)
 
 # make course with the bursty load running the whole time.
 load-course: $(ENV_READY)
