@@ -475,7 +475,8 @@ def pooled(results: list[LoopResult]) -> LoopResult:
 class LoopRounds:
     """Training loops run in rotating rounds, each run in a fresh process."""
 
-    steps: object  # helpers.timing.Comparison: each run's mean step seconds, round by round
+    steps: object  # helpers.timing.Comparison: each run's mean step seconds, every round
+    quiet: object  # the same for the rounds no other process disturbed (for the claims)
     runs: dict[str, list[LoopResult]]  # every run of every spec, in order
 
     def pooled(self) -> dict[str, LoopResult]:
@@ -492,13 +493,15 @@ def loop_rounds(
     ``rounds`` as for ``helpers.timing.interleave`` (more rounds while a claim is undecided).
     Interleaving cancels a load that slows every run alike, but a worker overlaps only if a
     core is free for it: a round in which other processes used ``max_others`` cores or more
-    during a run (``helpers.hardware.OtherLoad``; Linux) is left out, runs and all, and
-    counted in ``steps.left_out``. 0.2: the claims have a margin of ~0.15 in the ratio (one
-    worker measures ~0.65 of no worker on two cores, claimed < 0.8), and a run that loses a
-    core to a burst for a fifth of its time moves its ratio towards 1 by about that much.
+    during a run (``helpers.hardware.OtherLoad``; Linux) is left out of ``quiet``, the
+    comparison the claims are decided on (counted in ``quiet.left_out``; ``claims`` ask for
+    more rounds while undecided there), and kept in ``steps`` and ``runs``. 0.2: the claims
+    have a margin of ~0.15 in the ratio (one worker measures ~0.65 of no worker on two cores,
+    claimed < 0.8), and a run that loses a core to a burst for a fifth of its time moves its
+    ratio towards 1 by about that much.
     """
     from helpers.isolate import call_isolated
-    from helpers.timing import interleave
+    from helpers.timing import Comparison, interleave
 
     runs: dict[str, list[LoopResult]] = {name: [] for name in specs}
     this_round: dict[str, LoopResult] = {}
@@ -513,15 +516,16 @@ def loop_rounds(
     def reject() -> str | None:
         done = dict(this_round)
         this_round.clear()
+        for name, r in done.items():
+            runs[name].append(r)
         busy = [r.others_cpu for r in done.values() if r.others_cpu is not None]
         if max_others is not None and busy and max(busy) >= max_others:
             return f"other processes took {max_others:g}+ of a core"
-        for name, r in done.items():
-            runs[name].append(r)
         return None
 
-    steps = interleave(run, list(specs), claims=claims, reject=reject, **rounds)
-    return LoopRounds(steps, runs)
+    quiet = interleave(run, list(specs), claims=claims, reject=reject, **rounds)
+    steps = Comparison({name: [r.step_time for r in rs] for name, rs in runs.items()})
+    return LoopRounds(steps, quiet, runs)
 
 
 @dataclass
