@@ -34,19 +34,22 @@ class Timing:
         return (max(self.times) - min(self.times)) / self.median if self.median else 0.0
 
 
+def time_once(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call of ``fn()`` between two synchronisations of ``device``."""
+    synchronize(device)  # nothing queued earlier is counted
+    start = time.perf_counter()
+    fn()
+    synchronize(device)  # the work, not its launch
+    return time.perf_counter() - start
+
+
 def time_fn(
     fn: Callable[[], object], device: torch.device, warmup: int = 1, repeats: int = 5
 ) -> Timing:
     """Median wall time of ``fn()`` after ``warmup`` calls, synchronising before and after each."""
     for _ in range(warmup):
         fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
+    times = [time_once(fn, device) for _ in range(repeats)]
     return Timing(statistics.median(times), times)
 
 

@@ -16,7 +16,7 @@ from helpers.memory import CategoryTracker, allocator_peaks, memory_budget, rese
 from helpers.models import build_model, count_params, enable_checkpointing, load_config, task_kind
 from helpers.names import AUTOCAST, OPTIMIZERS, TRAIN_ATTENTION
 from helpers.results import Record
-from helpers.timing import flops_utilisation, synchronize, time_fn, train_flops
+from helpers.timing import flops_utilisation, synchronize, time_fn, time_once, train_flops
 
 
 @dataclass
@@ -254,11 +254,8 @@ def train_markov(cfg: RunConfig, steps: int, lr: float | None = None) -> TrainRe
     task = trainee.task
     out = TrainResult(cfg.precision, best_loss=task.entropy_rate, uniform_loss=task.uniform_loss)
     for _ in range(steps):
-        synchronize(trainee.device)
-        start = time.perf_counter()
-        out.losses.append(trainee.step())  # float() inside waits for the device
-        synchronize(trainee.device)
-        out.step_times.append(time.perf_counter() - start)
+        out.step_times.append(time_once(trainee.step, trainee.device))
+        out.losses.append(trainee.losses[-1])
         if trainee.scaler is not None:
             out.scales.append(float(trainee.scaler.get_scale()))
     return out

@@ -6,7 +6,6 @@ Activation (gradient) checkpointing: a plain-PyTorch block stack, its memory, pa
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -150,18 +149,14 @@ def paired_step_times(cfg, repeats: int = 20) -> PairedTiming:
     clock changes) weighs on both alike; the per-pair ratio then cancels most of it.
     """
     from helpers.models import disable_checkpointing
-    from helpers.timing import synchronize
+    from helpers.timing import time_once
     from helpers.train import Trainee, autocast_context
 
     trainee = Trainee(replace(cfg, gradient_checkpointing=False))
     model, device = trainee.model, trainee.device
 
     def timed(fn) -> float:
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        return time.perf_counter() - t0
+        return time_once(fn, device)
 
     def step(checkpointed: bool) -> float:
         (enable_checkpointing if checkpointed else disable_checkpointing)(model)

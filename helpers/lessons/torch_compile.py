@@ -318,16 +318,6 @@ def mlp_stack(hidden: int, intermediate: int, n_blocks: int, seed: int = 0, devi
     return model.to(device)
 
 
-def _timed(fn: Callable, device: torch.device) -> float:
-    from helpers.timing import synchronize
-
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - start
-
-
 def step_profile(
     backends: Sequence[str] = ("inductor",),
     hidden: int = 128,
@@ -354,7 +344,7 @@ def step_profile(
     cache carries over (key ``"inductor, warm"``). For a fresh process.
     """
     from helpers.device import resolve
-    from helpers.timing import train_flops
+    from helpers.timing import time_once, train_flops
 
     dev = resolve(device)
     out: dict = {"prepare_s": prepare_compiler(dev), "rows": rows, "first_s": {}, "code": []}
@@ -388,7 +378,7 @@ def step_profile(
                 out["first_s"][name] = time.perf_counter() - start
                 out["code"] = [generated_kernels(c) for c in codes]
             else:
-                out["first_s"][name] = _timed(lambda n=name: step(n, keep=True), dev)
+                out["first_s"][name] = time_once(lambda n=name: step(n, keep=True), dev)
 
     def steady(names: Sequence[str], times: dict) -> None:
         for _ in range(warmup):
@@ -396,7 +386,7 @@ def step_profile(
                 step(name)
         for i in range(repeats):
             for name in names[i % len(names) :] + names[: i % len(names)]:
-                times.setdefault(name, []).append(_timed(lambda n=name: step(n), dev))
+                times.setdefault(name, []).append(time_once(lambda n=name: step(n), dev))
 
     with quiet_dynamo():
         first_steps(list(models))
