@@ -2,8 +2,9 @@
 
 Core machinery, flat: ``scale`` (tiny or full), ``device`` (every torch.cuda, torch.accelerator
 and NVML call), ``hardware``, ``data``, ``models``, ``timing``, ``memory``, ``optimizer_state``,
-``train``, ``isolate``, ``results``, ``plots``; the estimator and planner (``estimate``,
-``plan``), what each lesson runs at the full scale (``fullscale``), the host's ``preflight`` and
+``train``, ``isolate``, ``results``, ``plots``; the estimator and planner (the subpackage
+``estimator``: model, state, stages, encoder, decoder, simulate, api, plan), what each lesson
+runs at the full scale (``fullscale``), the host's ``preflight`` and
 the command line (``cli``: ``python -m helpers ...``). The lessons' own machinery lives in
 ``helpers.lessons``, one module per notebook, named like it (``helpers.lessons.data_loading``
 for ``notebooks/11_data_loading.ipynb``).

@@ -109,7 +109,7 @@ def _print_summary(summary: dict, as_json: bool) -> None:
 
 
 def _estimate(args) -> int:
-    from helpers.estimate import estimate_run
+    from helpers.estimator import estimate_run
 
     problem = _run_problem(args)
     if problem:
@@ -135,7 +135,7 @@ def _estimate(args) -> int:
 
 
 def _plan(args) -> int:
-    from helpers.plan import parse_bytes, plan
+    from helpers.estimator.plan import parse_bytes, plan
 
     try:
         budget = parse_bytes(args.budget)

@@ -102,14 +102,14 @@ def _info(model, attn: str = "eager"):
 
 @cache
 def _described(key: str, attn: str):
-    from helpers.estimate import describe_model
+    from helpers.estimator import describe_model
 
     return describe_model(json.loads(key) if key.startswith("{") else key, attn)
 
 
 def _estimate(model, b: int, s: int, precision="fp32", optimizer="adamw", gc=False, attn="eager",
               ga=1):  # fmt: skip
-    from helpers.estimate import estimate
+    from helpers.estimator import estimate
 
     return estimate(_info(model, attn), b, s, precision, optimizer, gc, attn, ga, device="cuda")
 

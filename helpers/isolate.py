@@ -360,7 +360,7 @@ def mode_for(cfgs, device=None) -> str:
     import os
 
     from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, gpu_info, is_cuda, resolve
-    from helpers.estimate import estimate_run
+    from helpers.estimator import estimate_run
 
     device = resolve(device)
     need = sum(int(estimate_run(cfg).peak * (1 + RESERVE_MARGIN)) for cfg in cfgs)

@@ -1,6 +1,6 @@
 """Optimizer state tensor by tensor: predicted from parameter shapes, and read back.
 
-The one home of the per-optimizer state rules: ``helpers.estimate`` sums them, and lesson 06
+The one home of the per-optimizer state rules: ``helpers.estimator`` sums them, and lesson 06
 (``notebooks/06_optimizers.ipynb``, sections 1-3) checks them against the state the optimizers
 really hold.
 
@@ -84,7 +84,7 @@ def expected_state(
 
 @dataclass(frozen=True)
 class ParamShape:
-    """What the state rules need to know of a parameter (``helpers.estimate.ParamInfo`` too)."""
+    """What the state rules need to know of a parameter (``helpers.estimator.ParamInfo`` too)."""
 
     name: str
     shape: tuple[int, ...]
@@ -104,7 +104,7 @@ def state_tensors(
     """The state tensors of ``optimizer`` for ``params`` (anything with the ParamShape fields).
 
     The one place the course's per-optimizer state rules live: lesson 06 checks them against
-    state read back from the optimizers, and ``helpers.estimate`` sums them.
+    state read back from the optimizers, and ``helpers.estimator`` sums them.
     """
     f32, rows, n_8bit = torch.float32, [], 0
     host = not fused and device_type != "cpu"  # torch keeps its step counters on the CPU

@@ -15,7 +15,7 @@ import torch
 from torch.distributed._tools.mem_tracker import _MemRefType, _WeakRefInfo
 
 from helpers.device import ALLOCATION_UNIT, allocation_bytes
-from helpers.estimate import describe_model, estimate
+from helpers.estimator import describe_model, estimate
 from helpers.memory import CategoryTracker, rounding_slack
 from helpers.models import build_model, load_config
 from helpers.optimizer_state import expected_state, tracked_bytes

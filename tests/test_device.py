@@ -385,7 +385,7 @@ def test_only_helpers_device_touches_cuda_accelerator_or_nvml():
 
 
 def test_planner_leaves_room_for_the_context_and_the_allocator_on_cuda(monkeypatch):
-    from helpers.plan import candidates, usable_budget
+    from helpers.estimator.plan import candidates, usable_budget
 
     FakeGpu(monkeypatch, [PROFILES["a100-80"]])
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
@@ -402,7 +402,7 @@ def test_planner_leaves_room_for_the_context_and_the_allocator_on_cuda(monkeypat
 
 def test_planner_builds_and_measures_inside_the_cap(monkeypatch):
     from helpers import train
-    from helpers.plan import _run
+    from helpers.estimator.plan import _run
 
     gpu = FakeGpu(monkeypatch, [PROFILES["l4"]])
     seen = []

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers.estimate import describe_model, estimate, estimate_run, training_state
+from helpers.estimator import describe_model, estimate, estimate_run, training_state
 from helpers.train import RunConfig, measure
 
 # Tiny configs of architectures the course does not train, built from transformers' own

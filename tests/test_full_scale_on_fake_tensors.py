@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from helpers.data import random_batch
-from helpers.estimate import estimate
+from helpers.estimator import estimate
 from helpers.memory import CategoryTracker
 from helpers.models import load_config, task_kind
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.estimate import describe_model, estimate_run, training_state
+from helpers.estimator import describe_model, estimate_run, training_state
 from helpers.lessons.peft_lora import adapter_params, meta_model, rank_for, trainable_counts
 from helpers.memory import CategoryTracker
 from helpers.models import apply_lora, build_model, load_config

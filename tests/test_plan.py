@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers.cli import main
-from helpers.plan import candidates, parse_bytes, plan, shortlist
+from helpers.estimator.plan import candidates, parse_bytes, plan, shortlist
 
 MiB, GiB = 2**20, 2**30
 # bert-tiny at sequence length 64: 2.4 MB of fp32 weights, 14.8 MB peak at batch 4 with AdamW.

@@ -7,7 +7,7 @@ update beside it: y = W x + (alpha / r) B A x, with A (r x in) and B (out x r). 
 zero, so the adapted model starts out equal to the base model. Each adapted layer adds
 r·(in + out) trainable numbers; the frozen weights keep no gradients and no optimizer state.
 ``helpers.models.apply_lora`` adds the adapters; ``helpers.train.RunConfig(lora_r=...)`` trains
-this way and ``helpers.estimate`` predicts it.
+this way and ``helpers.estimator`` predicts it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ prints them):
 
 1. ``candidates``: every combination of micro-batch x accumulation (their product is the
    effective batch), gradient checkpointing, precision, optimizer and attention, each with the
-   estimator's predicted peak (``helpers.estimate``, arithmetic only) and whether it fits.
+   estimator's predicted peak (``helpers.estimator``, arithmetic only) and whether it fits.
 2. ``shortlist``: the fitting ones ranked by a rough predicted cost; the cheapest few are
    worth measuring.
 3. ``measure_candidate``: a short timed run on this machine, in a fresh process, plus one
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, is_cuda, present
-from helpers.estimate import Estimate, describe_model, estimate
+from helpers.estimator import Estimate, describe_model, estimate
 from helpers.memory import CategoryTracker
 from helpers.names import ATTENTION, AUTOCAST, PRECISIONS, GiB, KiB, MiB, TiB
 

@@ -1,0 +1,174 @@
+"""The model's tensors, from a meta-device build: what the estimator knows of a config."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from helpers.models import load_config, task_kind
+
+FP32 = 4
+
+
+INT64 = 8
+
+
+DECODERS = ("llama", "mistral", "qwen2")
+
+
+MOE = ("mixtral",)
+
+
+ENCODERS = ("bert",)
+
+
+SUPPORTED = ENCODERS + DECODERS + MOE
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter tensor: where it lives in the step and how optimizers and autocast see it."""
+
+    name: str
+    shape: tuple[int, ...]
+    stage: str  # "embed" | "L{i}.attn" | "L{i}.mlp" | "head"
+    embedding: bool = False  # an nn.Embedding weight (8-bit AdamW keeps it 32-bit)
+    cast: bool = False  # enters an autocast matmul as a Parameter: gets a cached 16-bit copy
+    trainable: bool = True
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the estimator needs to know about a model: its config and its parameter tensors."""
+
+    model_type: str
+    family: str  # "encoder" | "decoder" | "moe"
+    config: dict
+    params: tuple[ParamInfo, ...]  # in model.parameters() order (the optimizer's order)
+    buffer_sizes: tuple[int, ...]  # bytes of each buffer (position ids, rotary frequencies...)
+    tied: bool  # the LM head shares the input embedding's weight
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of all buffers."""
+        return sum(self.buffer_sizes)
+
+    @property
+    def n_params(self) -> int:
+        """Distinct parameters (tied weights once), as ``helpers.models.count_params``."""
+        return sum(p.numel for p in self.params)
+
+    @property
+    def n_trainable(self) -> int:
+        """Parameters that get gradients and optimizer state."""
+        return sum(p.numel for p in self.params if p.trainable)
+
+    def numel_named(self, stage: str, *parts: str) -> int:
+        """Trainable numbers in ``stage`` whose names contain one of ``parts``."""
+        return sum(
+            p.numel
+            for p in self.params
+            if p.stage == stage and p.trainable and any(x in p.name for x in parts)
+        )
+
+    def stage_numel(self, stage: str, cast_only: bool = False) -> int:
+        """Trainable numbers in ``stage``; with ``cast_only``, the autocast-cast ones, frozen too.
+
+        Autocast makes a 16-bit copy of every weight that enters a matmul, trainable or not.
+        """
+        return sum(
+            p.numel
+            for p in self.params
+            if p.stage == stage and (p.cast if cast_only else p.trainable)
+        )
+
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h)\.(\d+)\.(.*)$")
+
+
+_ATTN_PARTS = ("self_attn", "attention", "input_layernorm", "attn", "ln_1")
+
+
+def _family(model_type: str) -> str:
+    if model_type in ENCODERS:
+        return "encoder"
+    if model_type in DECODERS:
+        return "decoder"
+    if model_type in MOE:
+        return "moe"
+    raise ValueError(
+        f"no activation model for model_type {model_type!r}: the estimator knows "
+        f"{', '.join(SUPPORTED)}"
+    )
+
+
+def describe_model(
+    model, attn: str = "eager", lora_r: int = 0, lora_targets: str = ""
+) -> ModelInfo:
+    """Build ``model`` (name, path, dict or config) on the meta device and list its tensors.
+
+    With ``lora_r`` > 0 peft adds LoRA adapters of that rank to ``lora_targets`` (as
+    ``RunConfig.lora_targets``) and freezes everything else, as ``helpers.train.Trainee`` does.
+    """
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        PretrainedConfig,
+    )
+
+    if isinstance(model, ModelInfo):
+        return model
+    config = model if isinstance(model, PretrainedConfig) else load_config(model)
+    family = _family(config.model_type)
+    auto = (
+        AutoModelForSequenceClassification
+        if task_kind(config) == "classify"
+        else AutoModelForCausalLM
+    )
+    with torch.device("meta"):
+        net = auto.from_config(config, attn_implementation=attn, dtype=torch.float32)
+        if lora_r:
+            from helpers.models import apply_lora
+
+            net = apply_lora(net, lora_r, lora_targets)
+    owner = {}  # the first module that holds each parameter (for a tied weight: the embedding)
+    for mod in net.modules():
+        for p in mod.parameters(recurse=False):
+            owner.setdefault(id(p), mod)
+    params, seen_layer = [], False
+    for name, p in net.named_parameters():
+        mod = owner[id(p)]
+        match = _LAYER.search(name)
+        if match:
+            seen_layer = True
+            part = "attn" if match.group(2).startswith(_ATTN_PARTS) else "mlp"
+            stage = f"L{match.group(1)}.{part}"
+        else:
+            stage = "head" if seen_layer else "embed"
+        is_embedding = isinstance(mod, torch.nn.Embedding)
+        linear = isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D"
+        cast = linear or (not is_embedding and p.dim() == 2)
+        params.append(ParamInfo(name, tuple(p.shape), stage, is_embedding, cast, p.requires_grad))
+    out_emb, in_emb = net.get_output_embeddings(), net.get_input_embeddings()
+    tied = out_emb is not None and out_emb.weight is in_emb.weight
+    buffers = tuple(b.numel() * b.element_size() for b in net.buffers())
+    return ModelInfo(
+        model_type=config.model_type,
+        family=family,
+        config={**config.to_dict(), "_experts_implementation": _experts_impl(net)},
+        params=tuple(params),
+        buffer_sizes=buffers,
+        tied=tied,
+    )
+
+
+def _experts_impl(net) -> str | None:
+    return getattr(net.config, "_experts_implementation", None)

@@ -1,0 +1,94 @@
+"""The step, moment by moment: forward, backward and the optimizer step walked in order."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from helpers.estimator.stages import Moment, Stage
+
+
+@dataclass
+class Estimate:
+    """Predicted bytes per category (the measure contract) and where the peak falls."""
+
+    n_params: int
+    params: int
+    buffers: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    temporaries: int
+    weight_copies: int
+    peak: int
+    peak_at: str  # "forward: ...", "backward: <stage>", "optimizer step"
+    layer_activations: dict[str, int] = field(default_factory=dict)  # one layer, labelled
+    paper_layer_bytes: int = 0  # Korthikanti et al.'s s·b·h·(34 + 5as/h) for one layer
+
+    def as_dict(self) -> dict:
+        """Plain dict for records and JSON."""
+        return asdict(self)
+
+
+def _simulate(stages: list[Stage], base: int, grads_all: int, accumulate: bool, opt_temp: int):
+    """Walk forward, backward and the optimizer step; return category maxima and the peak."""
+    act_max = temp_max = copies_max = 0
+    peak, where = 0, ""
+
+    def seen(total: int, label: str) -> None:
+        nonlocal peak, where
+        if total > peak:
+            peak, where = total, label
+
+    grads0 = grads_all if accumulate else 0  # later micro-batches find every gradient there
+    # Forward: saved tensors pile up; checkpointed layers keep their input only (and free
+    # their intermediates as they go, so only the stage's transients are added).
+    kept = fwd_only = copies = 0
+    for st in stages:
+        full = sum(st.saved.values())
+        extra = sum(st.transient.values())
+        if st.region is None:
+            here = kept + full + extra
+        else:
+            here = kept + st.checkpoint_input + extra
+        here += fwd_only + sum(st.forward_only.values())
+        copies += st.copies
+        act_max = max(act_max, here)
+        copies_max = max(copies_max, copies)
+        seen(base + grads0 + here + copies, f"forward: {st.name}")
+        kept += st.checkpoint_input if st.region is not None else full
+        fwd_only += sum(st.forward_only.values())
+    temp_max = max(temp_max, copies)
+    # Backward: stages in reverse; a checkpointed layer is recomputed when backward reaches it.
+    act = kept
+    copies = sum(st.copies for st in stages if st.region is None)  # autocast's cache is gone
+    grads = grads0
+    recomputed: set[int] = set()
+    pending = 0  # a tied weight's first gradient, a temporary until the second one is added
+    for st in reversed(stages):
+        rtemp = st.recompute_temp if st.region is not None else 0
+        if st.region is not None and st.region not in recomputed:
+            recomputed.add(st.region)
+            region = [x for x in stages if x.region == st.region]
+            act += sum(sum(x.saved.values()) - x.recompute_temp for x in region)
+            act -= sum(x.checkpoint_input for x in region if x.input_in_saved)
+            copies += sum(x.copies for x in region)
+            act_max = max(act_max, act + st.recompute_transient)
+            copies_max = max(copies_max, copies)
+        for mom in st.backward or [Moment(0)]:
+            done = 0 if accumulate else mom.grads_done
+            temp = copies - mom.copies_released + mom.temp + rtemp + pending
+            temp_max = max(temp_max, temp)
+            seen(base + grads + done + act - mom.released + temp, f"backward: {st.name}")
+        act -= sum(st.saved.values()) - rtemp
+        if st.region is not None and not st.input_in_saved:
+            act -= st.checkpoint_input
+        copies -= st.copies
+        grads += 0 if accumulate else st.grads
+        if st.pending_grads and not accumulate:  # with accumulation p.grad already exists
+            pending = st.pending_grads
+        elif st.name == "embed" and pending:
+            grads += 0 if accumulate else pending
+            pending = 0
+    temp_max = max(temp_max, opt_temp)
+    seen(base + grads_all + opt_temp, "optimizer step")
+    return act_max, temp_max, copies_max, peak, where

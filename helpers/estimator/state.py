@@ -1,0 +1,100 @@
+"""Parameters, gradients and optimizer state: the bytes that live through the whole step."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from helpers.estimator.model import FP32
+from helpers.names import OPTIMIZERS
+from helpers.optimizer_state import BNB_BLOCK, state_tensors, tracked_bytes
+
+
+@dataclass
+class TrainingState:
+    """Bytes of the model state: weights, gradients, optimizer state (no activations)."""
+
+    params: int
+    gradients: int
+    optimizer_state: int
+
+    @property
+    def total(self) -> int:
+        """Sum of the three."""
+        return self.params + self.gradients + self.optimizer_state
+
+
+def training_state(
+    n_params: int,
+    n_trainable: int | None = None,
+    optimizer: str = "adamw",
+    weight_bytes: int = FP32,
+    master_copy: bool = False,
+    n_tensors: int = 0,
+) -> TrainingState:
+    """Model-state bytes from parameter counts alone (frozen weights get no grads or state).
+
+    Per trainable parameter: AdamW 8 B, SGD-momentum 4 B, 8-bit AdamW 2 B + 8 B per 256 (its
+    absmax blocks, ignoring its fp32 small tensors); Adafactor depends on tensor shapes, use
+    ``optimizer_state_bytes``. ``master_copy`` adds the 4 B fp32 master weight that mixed
+    precision keeps when the weights themselves are 16-bit (``weight_bytes=2``): with it,
+    AdamW is the seed's 12 B per trainable parameter (84 GB for 7B, 2.4 GB for 0.2B of LoRA).
+    ``n_tensors`` adds AdamW's 4-byte step per trainable tensor.
+    """
+    n_trainable = n_params if n_trainable is None else n_trainable
+    per = {"adamw": 8.0, "sgd": 4.0, "adamw8bit": 2.0 + 2 * FP32 / BNB_BLOCK}
+    if optimizer == "adafactor":
+        raise ValueError("Adafactor's state depends on tensor shapes: use optimizer_state_bytes")
+    if optimizer not in per:
+        raise ValueError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+    state = per[optimizer] * n_trainable + (FP32 * n_tensors if optimizer == "adamw" else 0)
+    if master_copy:
+        state += FP32 * n_trainable
+    return TrainingState(
+        params=int(weight_bytes * n_params),
+        gradients=int(weight_bytes * n_trainable),
+        optimizer_state=round(state),
+    )
+
+
+def optimizer_state_bytes(optimizer: str, params, device_type: str = "cpu") -> int:
+    """Exact optimizer-state bytes for ``params`` (ParamInfo, or anything with shape/numel).
+
+    The per-optimizer rules are ``helpers.optimizer_state.state_tensors`` (lesson 06 checks them
+    tensor by tensor against real optimizers). On CUDA the bytes are the tracker's: each
+    tensor rounded up to 512 B, and torch's step counters left out (they live on the CPU).
+    """
+    rows = state_tensors(params, optimizer, device_type)
+    return tracked_bytes(rows, torch.device(device_type))
+
+
+def optimizer_step_temporaries(optimizer: str, params, device_type: str = "cpu") -> int:
+    """Largest scratch memory the optimizer's step allocates, as the tracker sees it."""
+    sizes = [FP32 * math.prod(p.shape) for p in params if getattr(p, "trainable", True)]
+    if not sizes or optimizer in ("sgd", "adamw8bit"):
+        # SGD updates in place. 8-bit AdamW: fused CUDA kernels; on the CPU its kernel is a
+        # custom op whose scratch tensors the tracker cannot see.
+        return 0
+    trainable = [p for p in params if getattr(p, "trainable", True)]
+    if device_type != "cpu":  # foreach implementations: one scratch list over all tensors
+        if optimizer == "adamw":
+            return sum(sizes)  # exp_avg_sq.sqrt() for every tensor at once
+        matrices = sum(n for n, p in zip(sizes, trainable, strict=True) if len(p.shape) >= 2)
+        return max(matrices, 2 * (sum(sizes) - matrices))  # var_estimates; vectors: 2 lists
+    worst, previous = 0, 0
+    for p, size in zip(trainable, sizes, strict=True):
+        if optimizer == "adamw":
+            # denom = (exp_avg_sq.sqrt() / c).add_(eps): sqrt and quotient coexist, and the
+            # previous tensor's denom is still referenced by the loop variable.
+            worst = max(worst, 2 * size + previous)
+        else:  # adafactor
+            if len(p.shape) >= 2:
+                *lead, rows, cols = p.shape
+                means = FP32 * math.prod(lead) * (rows + cols)
+                worst = max(worst, size + previous + means)  # row_var @ col_var, previous one
+            else:
+                worst = max(worst, 2 * size + previous)  # grad*grad and variance.clone()
+        previous = size
+    return worst
