@@ -14,6 +14,7 @@ from helpers.estimator.stages import (
     _Shape,
     _Sizes,
     _weight_grad,
+    _weighted_stage,
 )
 
 
@@ -231,11 +232,7 @@ def _rmsnorm_bytes(z: _Shape, h: int) -> int:
 def _normed_stage(m: ModelInfo, z: _Shape, name: str, norm: str, to: str, n: int):
     """A decoder sub-block's stage up to its RMSNorm output, read by ``n`` projections ``to``."""
     th = z.t * m.config["hidden_size"]
-    st = Stage(
-        name,
-        grads=FP32 * m.stage_numel(name),
-        copies=2 * m.stage_numel(name, cast_only=True) if z.amp else 0,
-    )
+    st = _weighted_stage(m, z, name)
     _rmsnorm(st, f"{norm} RMSNorm", z, m.config["hidden_size"])
     if z.amp:  # each projection casts the normalised input to 16 bits itself
         st.saved[f"{to} input casts ({n} x 16-bit)"] = n * 2 * th

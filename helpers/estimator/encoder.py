@@ -14,6 +14,7 @@ from helpers.estimator.stages import (
     _Shape,
     _Sizes,
     _weight_grad,
+    _weighted_stage,
 )
 
 
@@ -94,8 +95,7 @@ def _bert_embed(x: _Bert) -> Stage:
 def _bert_attention(x: _Bert, i: int) -> Stage:
     """Self-attention (q, k, v, scores, softmax, dropout, context), output dense, LayerNorm."""
     z, th, ea, name = x.z, x.th, x.z.ea, f"L{i}.attn"
-    copies = 2 * x.m.stage_numel(name, cast_only=True) if z.amp else 0
-    at = Stage(name, grads=FP32 * x.m.stage_numel(name), copies=copies)
+    at = _weighted_stage(x.m, z, name)
     if z.amp:
         at.saved["q/k/v input casts (3 x 16-bit)"] = 3 * 2 * th
     else:
@@ -176,8 +176,7 @@ def _bert_mlp(x: _Bert, i: int) -> Stage:
     """Intermediate dense, GELU, output dense, dropout, residual sum, LayerNorm."""
     z, th, ea, name = x.z, x.th, x.z.ea, f"L{i}.mlp"
     ti = z.t * x.inter
-    copies = 2 * x.m.stage_numel(name, cast_only=True) if z.amp else 0
-    mlp = Stage(name, grads=FP32 * x.m.stage_numel(name), copies=copies)
+    mlp = _weighted_stage(x.m, z, name)
     if z.amp:
         mlp.saved["intermediate input cast"] = 2 * th
     else:
@@ -213,8 +212,7 @@ def _bert_mlp(x: _Bert, i: int) -> Stage:
 def _bert_head_and_loss(x: _Bert) -> list[Stage]:
     """The pooler (token 0, dense, tanh), dropout, the classifier, and the loss."""
     z, ea, b = x.z, x.z.ea, x.z.b
-    copies = 2 * x.m.stage_numel("head", cast_only=True) if z.amp else 0
-    head = Stage("head", grads=FP32 * x.m.stage_numel("head"), copies=copies)
+    head = _weighted_stage(x.m, z, "head")
     small = b * x.h
     if z.amp:
         head.saved["pooler input cast (token 0)"] = 2 * small

@@ -106,3 +106,9 @@ class _Sizes:
     def scores(self) -> int:
         """Values in one attention-score tensor (b, a, s, s)."""
         return self.z.b * self.a * self.z.s * self.z.s
+
+
+def _weighted_stage(m: ModelInfo, z: _Shape, name: str) -> Stage:
+    """A stage whose weights leave fp32 gradients and, under autocast, 16-bit working copies."""
+    copies = 2 * m.stage_numel(name, cast_only=True) if z.amp else 0
+    return Stage(name, grads=FP32 * m.stage_numel(name), copies=copies)
