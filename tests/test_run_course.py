@@ -38,3 +38,9 @@ def test_a_failing_notebook_is_listed_and_the_others_still_run(tmp_path, capsys)
     assert f"{good} done" in printed.out and f"  {bad}" in printed.out.split("Failed")[-1]
     ran = nbformat.read(out / "02_good.ipynb", as_version=4)
     assert ran.cells[0].outputs[0]["text"] == "42\n"  # the executed copy keeps its outputs
+
+
+def test_a_kernel_that_dies_is_a_failure_not_a_crash(tmp_path, capsys):
+    dead = notebook(tmp_path / "03_dead.ipynb", "import os\nos._exit(1)")
+    assert load_tool().main([str(dead), "--out", str(tmp_path / "out"), "--no-tables"]) == 1
+    assert f"{dead} FAILED" in capsys.readouterr().out

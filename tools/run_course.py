@@ -28,8 +28,10 @@ def execute(path: Path, out_dir: Path) -> str | None:
     try:
         client.execute()
         return None
-    except CellExecutionError as err:
+    except CellExecutionError as err:  # a cell raised: its traceback
         return str(err)
+    except Exception as err:  # the kernel died (out of RAM, killed), or could not start
+        return f"{type(err).__name__}: {err}"
     finally:
         out_dir.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, out_dir / path.name)
