@@ -6,7 +6,9 @@ into a report and into sentences a learner can act on.
 
 from __future__ import annotations
 
+import os
 import platform
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -172,8 +174,6 @@ def _busy_ticks(cpus: set[int]) -> int | None:
 
 def _tree_ticks(root: int) -> int:
     """CPU ticks of process ``root`` and its descendants, reaped children's included."""
-    import os
-
     stats = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -200,23 +200,15 @@ class OtherLoad:
     """
 
     def __init__(self) -> None:
-        import os
-
         self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
         self.cores: float | None = None
 
     def __enter__(self) -> OtherLoad:
-        import os
-        import time
-
         self._busy, self._start = _busy_ticks(self.cpus), time.perf_counter()
         self._own = _tree_ticks(os.getpid()) if self._busy is not None else 0
         return self
 
     def __exit__(self, *exc) -> None:
-        import os
-        import time
-
         busy = _busy_ticks(self.cpus)
         if busy is None or self._busy is None:
             return

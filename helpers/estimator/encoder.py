@@ -112,10 +112,7 @@ def _bert_attention(x: _Bert, i: int) -> Stage:
             at.saved["attention dropout mask"] = _mask(x.es, z.dev) * x.scores
             at.saved["dropped probabilities"] = (x.es if x.math_sdpa else ea) * x.scores
         at.saved["context (.contiguous(), dense input)"] = ea * th
-    if x.p_hidden > 0:
-        at.saved["output dropout mask"] = _mask(ea, z.dev) * th
-    at.saved["residual sum (LayerNorm input)"] = FP32 * th
-    at.saved["LayerNorm mean, 1/std"] = 2 * FP32 * z.t
+    _bert_add_norm(x, at)
     at.transient = {"output dropout result": ea * th, "LayerNorm output": FP32 * th}
     if z.amp:
         at.transient["layer input (residual)"] = FP32 * th
@@ -123,10 +120,22 @@ def _bert_attention(x: _Bert, i: int) -> Stage:
     return at
 
 
-def _bert_layernorm_keep(x: _Bert) -> int:
+def _bert_norm_saved(x: _Bert) -> dict[str, int]:
     """What a sub-block's output dropout, residual sum and LayerNorm keep for backward."""
-    mask = _mask(x.z.ea, x.z.dev) * x.th if x.p_hidden > 0 else 0
-    return FP32 * x.th + 2 * FP32 * x.z.t + mask
+    saved = {"output dropout mask": _mask(x.z.ea, x.z.dev) * x.th} if x.p_hidden > 0 else {}
+    saved["residual sum (LayerNorm input)"] = FP32 * x.th
+    saved["LayerNorm mean, 1/std"] = 2 * FP32 * x.z.t
+    return saved
+
+
+def _bert_add_norm(x: _Bert, stage: Stage) -> None:
+    """Add the output dropout's, residual sum's and LayerNorm's saved tensors to ``stage``."""
+    stage.saved.update(_bert_norm_saved(x))
+
+
+def _bert_layernorm_keep(x: _Bert) -> int:
+    """Bytes of ``_bert_norm_saved``: freed first in the sub-block's backward."""
+    return sum(_bert_norm_saved(x).values())
 
 
 def _bert_attention_backward(x: _Bert, at: Stage) -> list[Moment]:
@@ -183,10 +192,7 @@ def _bert_mlp(x: _Bert, i: int) -> Stage:
         mlp.saved["intermediate input (attention LayerNorm output)"] = FP32 * th
     mlp.saved["GELU input"] = ea * ti
     mlp.saved["GELU output"] = ea * ti
-    if x.p_hidden > 0:
-        mlp.saved["output dropout mask"] = _mask(ea, z.dev) * th
-    mlp.saved["residual sum (LayerNorm input)"] = FP32 * th
-    mlp.saved["LayerNorm mean, 1/std"] = 2 * FP32 * z.t
+    _bert_add_norm(x, mlp)
     mlp.transient = {"output dropout result": ea * th, "layer output": FP32 * th}
     if z.amp:
         mlp.transient["attention LayerNorm output (residual)"] = FP32 * th
