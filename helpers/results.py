@@ -35,6 +35,7 @@ class Record:
     error: str | None = None  # set when the run failed, e.g. "OutOfMemoryError: ..."
     error_type: str | None = None  # "oom" | "error" | "crash"
     lesson: str = ""
+    extra: dict = field(default_factory=dict)  # a lesson's own measurements (numbers, lists)
     wall_s: float | None = None
     timestamp: float = field(default_factory=time.time)
 

@@ -48,6 +48,19 @@ class Scale:
             line += f"\nfitted to {self.card}"
         return "\n".join([line, *(f"  adapted: {note}" for note in self.notes)])
 
+    def run_config(self, **overrides):
+        """A ``helpers.train.RunConfig`` at this scale: the encoder, its batch, length, warm-up
+        and repeats, with ``overrides`` on top (``model="decoder"`` picks the decoder)."""
+        from helpers.train import RunConfig
+
+        if overrides.get("model") in ("encoder", "decoder"):
+            overrides["model"] = getattr(self, overrides["model"])
+        sizes = dict(
+            model=self.encoder, batch_size=self.batch_size, seq_len=self.seq_len,
+            warmup=self.warmup, repeats=self.repeats,
+        )  # fmt: skip
+        return RunConfig(**{**sizes, **overrides})
+
 
 # The full scale is the seeds' experiment: bert-large, sequence length 512, batch 4, 16 GB budget;
 # on a given card ``get_scale`` fits it (helpers.fullscale).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -83,6 +84,70 @@ def autocast_context(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
+def model_loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    """A transformers model's loss on a batch of keyword inputs (labels included)."""
+    return model(**batch).loss
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer,
+    micro_batches: Iterable,
+    *,
+    accumulate: int | None = None,
+    precision: str = "fp32",
+    scaler: torch.amp.GradScaler | None = None,
+    loss_of: Callable = model_loss,
+    backward: Callable | None = None,
+    on_gradients: Callable | None = None,
+) -> torch.Tensor:
+    """The course's base training step: forward, backward and one optimizer step; the loss.
+
+    Every lesson's loop is this step with some of its switches set:
+
+    - ``micro_batches``: k batches whose gradients add up before the step (lesson 03); each
+      micro-batch's mean loss is divided by k, so the sum is the mean over k equal batches.
+      A list gives k; a generator with ``accumulate=k`` makes each micro-batch only when it
+      is needed, so one micro-batch's inputs are alive at a time.
+    - ``precision``: "bf16"/"fp16" run the forward under autocast (lesson 05).
+    - ``scaler``: fp16's GradScaler scales the loss and unscales before stepping (lesson 05).
+    - ``loss_of(model, batch)``: how a batch becomes a loss (default: a transformers model's
+      ``.loss``; lesson 12's plain modules return the loss themselves).
+    - ``backward(loss)``: who back-propagates (default ``loss.backward()``; DeepSpeed's engine
+      does it itself in lesson 08).
+    - ``on_gradients()``: called once the gradients are complete, before the optimizer step
+      (gradient clipping, or keeping a copy to compare with, as lesson 12 does).
+
+    ``optimizer`` needs ``step()`` and ``zero_grad(set_to_none=True)``. Checkpointing,
+    8-bit optimizers and LoRA change the model or the optimizer, not this step.
+    """
+    k = accumulate or len(micro_batches)
+    total = 0.0
+    for batch in micro_batches:
+        with autocast_context(precision, _device_of(batch)):
+            loss = loss_of(model, batch) / k
+        scaled = scaler.scale(loss) if scaler is not None else loss
+        scaled.backward() if backward is None else backward(scaled)
+        total += loss.detach()
+    if on_gradients is not None:
+        if scaler is not None:  # the callback sees true gradients, not scaled ones
+            scaler.unscale_(optimizer)
+        on_gradients()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def _device_of(batch) -> torch.device:
+    """The device of a batch: a tensor, or the first tensor of a dict of them."""
+    first = batch if isinstance(batch, torch.Tensor) else next(iter(batch.values()))
+    return first.device
+
+
 class Trainee:
     """A model, optimizer and data source wired into ``step()``, built from a RunConfig."""
 
@@ -132,20 +197,13 @@ class Trainee:
 
     def step(self) -> float:
         """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss."""
-        c, total = self.cfg, 0.0
-        for _ in range(c.grad_accum):
-            batch = self.batch()
-            with autocast_context(c.precision, self.device):
-                loss = self.model(**batch).loss / c.grad_accum
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-            total += loss.detach()
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.losses.append(float(total))
+        c = self.cfg
+        batches = (self.batch() for _ in range(c.grad_accum))
+        loss = train_step(
+            self.model, self.optimizer, batches, accumulate=c.grad_accum,
+            precision=c.precision, scaler=self.scaler,
+        )  # fmt: skip
+        self.losses.append(float(loss))
         return self.losses[-1]
 
 
@@ -391,3 +449,27 @@ def forward_backward(
                 out.class_times.setdefault(f"{phase} {name}", []).append(seconds)
         out.forward_ops, out.backward_ops = fwd_ops, bwd_ops
     return out
+
+
+def trainer_arguments(output_dir: str, device: torch.device | str | None = None, **overrides):
+    """``TrainingArguments`` for a measured Trainer run, quiet: no reports to tracking services,
+    no checkpoints, no log lines, no progress bars; on the CPU when ``device`` is the CPU.
+
+    ``overrides`` are TrainingArguments' own names and win over these defaults (for example
+    ``logging_strategy="steps", logging_steps=1`` to keep a loss per step).
+    """
+    from transformers import TrainingArguments
+
+    quiet = dict(
+        report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        use_cpu=resolve(device).type == "cpu",
+    )  # fmt: skip
+    return TrainingArguments(output_dir=output_dir, **{**quiet, **overrides})
+
+
+def quiet_trainer(trainer):
+    """``trainer`` without its PrinterCallback (it prints the final metrics as a dict)."""
+    from transformers import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    return trainer
