@@ -1,8 +1,11 @@
 """Measurement helpers for the course *Efficient training of transformers on a single GPU*.
 
-Core machinery, flat: ``scale`` (tiny or full), ``device`` (every torch.cuda, torch.accelerator
-and NVML call), ``hardware``, ``data``, ``models``, ``timing``, ``memory``, ``optimizer_state``,
-``train``, ``isolate``, ``results``, ``plots``; the estimator and planner (the subpackage
+Core machinery, flat: ``lesson`` (a notebook's opening line: ``L = lesson("05")``), ``scale``
+(tiny or full), ``device`` (every torch.cuda, torch.accelerator and NVML call), ``hardware``,
+``data``, ``models``, ``names`` (the course's names and units, defined once), ``timing``,
+``memory`` (the per-category tracker), ``optimizer_state``, ``train`` (``RunConfig``, the base
+training step ``train_step`` with its switches, ``measure``), ``isolate``, ``results``,
+``plots``; the estimator and planner (the subpackage
 ``estimator``: model, state, stages, encoder, decoder, simulate, api, plan), what each lesson
 runs at the full scale (``fullscale``), the host's ``preflight`` and
 the command line (``cli``: ``python -m helpers ...``). The lessons' own machinery lives in

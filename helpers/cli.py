@@ -26,23 +26,13 @@ def _fail(message: str) -> int:
 
 
 def _run_config(args):
-    """The RunConfig that ``measure`` and ``estimate`` share, from their common arguments."""
+    """The RunConfig ``measure`` and ``estimate`` share: the arguments named like its fields."""
+    from dataclasses import fields
+
     from helpers.train import RunConfig
 
-    return RunConfig(
-        model=args.model,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        precision=args.precision,
-        optimizer=args.optimizer,
-        gradient_checkpointing=args.gradient_checkpointing,
-        attn=args.attn,
-        warmup=args.warmup,
-        repeats=args.repeats,
-        device=args.device,
-        lora_r=args.lora_r,
-        lora_targets=args.lora_targets,
-    )
+    names = {f.name for f in fields(RunConfig)}
+    return RunConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
 def _measure(args) -> int:
@@ -158,27 +148,34 @@ def _plan(args) -> int:
     except (OSError, ValueError, KeyError) as err:
         return _fail(f"cannot plan for {args.model!r}: {err}")
     if args.json:
-        best, runner = result.best, result.runner_up
-        print(
-            json.dumps(
-                {
-                    "best": best.candidate.label if best else None,
-                    "best_samples_per_s": best.samples_per_s if best else None,
-                    "best_estimated_peak": best.candidate.estimated_peak if best else None,
-                    "best_measured_peak": best.measured_peak if best else None,
-                    "runner_up": runner.candidate.label if runner else None,
-                    "runner_up_samples_per_s": runner.samples_per_s if runner else None,
-                    "budget": result.budget,
-                    "considered": result.considered,
-                    "fitting": len(result.fitting),
-                    "measured": len(result.measured),
-                    "reason": result.reason,
-                }
-            )
-        )
-        return 0 if best else 1
+        print(json.dumps(_plan_summary(result)))
+    else:
+        _print_plan(result)
+    return 0 if result.best else 1
+
+
+def _plan_summary(result) -> dict:
+    """The plan's outcome as the JSON object ``plan --json`` prints."""
+    best, runner = result.best, result.runner_up
+    return {
+        "best": best.candidate.label if best else None,
+        "best_samples_per_s": best.samples_per_s if best else None,
+        "best_estimated_peak": best.candidate.estimated_peak if best else None,
+        "best_measured_peak": best.measured_peak if best else None,
+        "runner_up": runner.candidate.label if runner else None,
+        "runner_up_samples_per_s": runner.samples_per_s if runner else None,
+        "budget": result.budget,
+        "considered": result.considered,
+        "fitting": len(result.fitting),
+        "measured": len(result.measured),
+        "reason": result.reason,
+    }
+
+
+def _print_plan(result) -> None:
+    """The plan as a learner reads it: what was searched, measured and chosen, and why."""
     print(
-        f"plan for {result.model}: budget {budget:,} B, effective batch "
+        f"plan for {result.model}: budget {result.budget:,} B, effective batch "
         f"{result.effective_batch}, sequence length {result.seq_len}, on {result.device}"
     )
     print(
@@ -194,7 +191,6 @@ def _plan(args) -> int:
     if result.runner_up:
         print(f"runner-up: {result.runner_up.candidate.label}")
     print(result.reason)
-    return 0 if result.best else 1
 
 
 def _summary(args) -> int:
@@ -331,41 +327,27 @@ def _doctor(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m helpers``."""
-    parser = _Parser(prog="python -m helpers", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments ``measure`` and ``estimate`` share (named like RunConfig's fields)."""
+    p.add_argument("--model", required=True, help="config JSON path, bundled name, or hub id")
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
+    p.add_argument("--optimizer", default="adamw", help=" | ".join(OPTIMIZERS))
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (peft); 0: train all")
+    p.add_argument("--lora-targets", default="", help='LoRA modules: "q_proj,v_proj", "all-linear"')
+    p.add_argument("--attn", default="eager", choices=list(ATTENTION))
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-flops", action="store_true", help="skip the FLOP count (and MFU)")
+    p.add_argument("--save", action="store_true", help="append the record to the results store")
+    p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
 
-    def run_arguments(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", required=True, help="config JSON path, bundled name, or hub id")
-        p.add_argument("--batch-size", type=int, required=True)
-        p.add_argument("--seq-len", type=int, required=True)
-        p.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
-        p.add_argument("--optimizer", default="adamw", help=" | ".join(OPTIMIZERS))
-        p.add_argument("--gradient-checkpointing", action="store_true")
-        p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (peft); 0: train all")
-        p.add_argument(
-            "--lora-targets", default="", help='LoRA modules: "q_proj,v_proj", "all-linear"'
-        )
-        p.add_argument("--attn", default="eager", choices=list(ATTENTION))
-        p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator)")
-        p.add_argument("--warmup", type=int, default=1)
-        p.add_argument("--repeats", type=int, default=3)
-        p.add_argument("--no-flops", action="store_true", help="skip the FLOP count (and MFU)")
-        p.add_argument("--save", action="store_true", help="append the record to the results store")
-        p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
 
-    m = sub.add_parser("measure", help="train a few steps here and report bytes per category")
-    run_arguments(m)
-    m.set_defaults(func=_measure)
-
-    e = sub.add_parser(
-        "estimate", help="predict measure's bytes per category without training or weights"
-    )
-    run_arguments(e)  # the same arguments as measure; --warmup/--repeats/--save are unused
-    e.set_defaults(func=_estimate)
-
-    p = sub.add_parser("plan", help="fastest configuration that fits a memory budget")
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``plan``."""
     p.add_argument("--model", required=True, help="config JSON path, bundled name, or hub id")
     p.add_argument("--budget", required=True, help="e.g. 16GB, 512MiB (GB = GiB = 2**30 bytes)")
     p.add_argument("--effective-batch", type=int, required=True, help="samples per step")
@@ -374,30 +356,59 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=6, help="how many candidates to time")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (at least 5)")
     p.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
-    p.set_defaults(func=_plan)
 
-    s = sub.add_parser("summary", help="print the table of recorded experiments")
-    s.add_argument("--results", default=None, help="results store (default: $COURSE_RESULTS)")
-    s.set_defaults(func=_summary)
 
-    c = sub.add_parser("capstone", help="print lesson 14's ablation table next to the seed's")
-    c.add_argument("--results", default=None, help="results store (default: $COURSE_RESULTS)")
-    c.set_defaults(func=_capstone)
+def _results_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--results", default=None, help="results store (default: $COURSE_RESULTS)")
 
-    f = sub.add_parser("fit", help="what the full scale runs on this GPU, lesson by lesson")
-    f.add_argument("--reference", action="store_true", help="the table for the reference cards")
-    f.set_defaults(func=_fit)
 
-    cl = sub.add_parser("claims", help="how the lessons' speed claims came out")
-    cl.add_argument("--claims", default=None, help="claims log (default: $COURSE_CLAIMS)")
-    cl.set_defaults(func=_claims)
+def _claims_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--claims", default=None, help="claims log (default: $COURSE_CLAIMS)")
 
-    pre = sub.add_parser("preflight", help="try every hardware feature the lessons use, here")
-    pre.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the accelerator)")
-    pre.set_defaults(func=_preflight)
 
-    sub.add_parser("hardware", help="print the hardware report").set_defaults(func=_hardware)
-    sub.add_parser("doctor", help="check the course's packages").set_defaults(func=_doctor)
+def _fit_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reference", action="store_true", help="the table for the reference cards")
 
+
+def _device_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the accelerator)")
+
+
+# Each command: its help line, what runs it, and its arguments (None: none).
+COMMANDS = {
+    "measure": ("train a few steps here and report bytes per category", _measure, _run_arguments),
+    "estimate": (  # the same arguments as measure; --warmup/--repeats/--save are unused
+        "predict measure's bytes per category without training or weights",
+        _estimate,
+        _run_arguments,
+    ),
+    "plan": ("fastest configuration that fits a memory budget", _plan, _plan_arguments),
+    "summary": ("print the table of recorded experiments", _summary, _results_argument),
+    "capstone": (
+        "print lesson 14's ablation table next to the seed's",
+        _capstone,
+        _results_argument,
+    ),
+    "fit": ("what the full scale runs on this GPU, lesson by lesson", _fit, _fit_argument),
+    "claims": ("how the lessons' speed claims came out", _claims, _claims_argument),
+    "preflight": (
+        "try every hardware feature the lessons use, here",
+        _preflight,
+        _device_argument,
+    ),
+    "hardware": ("print the hardware report", _hardware, None),
+    "doctor": ("check the course's packages", _doctor, None),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m helpers``."""
+    parser = _Parser(prog="python -m helpers", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (help_line, run, arguments) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_line)
+        if arguments is not None:
+            arguments(command)
+        command.set_defaults(func=run)
     args = parser.parse_args(argv)
     return args.func(args)

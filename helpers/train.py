@@ -320,7 +320,7 @@ def train_markov(cfg: RunConfig, steps: int, lr: float | None = None) -> TrainRe
 
 
 @dataclass
-class ForwardBackward:
+class ForwardBackwardResult:
     """Forward and backward of one micro-batch, apart: FLOPs, times, time by op class.
 
     Times come in rounds: each round times one forward and one backward back to back
@@ -384,15 +384,13 @@ class ForwardBackward:
 
 def forward_backward(
     cfg: RunConfig, rounds: int = 5, max_rounds: int = 15, claims=()
-) -> ForwardBackward:
+) -> ForwardBackwardResult:
     """Split a training step: forward and backward FLOPs (counted) and times (in rounds).
 
     After ``rounds`` rounds, more are added while one of ``claims`` is undecided, up to
     ``max_rounds`` (as ``helpers.timing.interleave`` does).
     """
     from torch.utils.flop_counter import FlopCounterMode
-
-    from helpers.timing import OP_CLASSES, by_op_class, op_class, op_self_times
 
     trainee = Trainee(cfg)
     device, model, batch = trainee.device, trainee.model, trainee.batch()
@@ -405,21 +403,15 @@ def forward_backward(
         model.zero_grad(set_to_none=True)
         forward().backward()
 
-    def class_flops(counter: FlopCounterMode) -> dict[str, int]:
-        out = dict.fromkeys(OP_CLASSES, 0)
-        for op, n in counter.get_flop_counts()["Global"].items():  # keys like aten.mm
-            out[op_class(str(op).removeprefix("aten.").split(".")[0])] += n
-        return out
-
     fwd_counter, bwd_counter = FlopCounterMode(display=False), FlopCounterMode(display=False)
     with fwd_counter:
         loss = forward()
     with bwd_counter:
         loss.backward()
-    fwd_classes, bwd_classes = class_flops(fwd_counter), class_flops(bwd_counter)
+    fwd_classes, bwd_classes = _class_flops(fwd_counter), _class_flops(bwd_counter)
     for _ in range(cfg.warmup):
         both()
-    out = ForwardBackward(
+    out = ForwardBackwardResult(
         forward_flops=fwd_counter.get_total_flops(),
         backward_flops=bwd_counter.get_total_flops(),
         forward_times=[],
@@ -429,26 +421,43 @@ def forward_backward(
         op_flops={k: fwd_classes[k] + bwd_classes[k] for k in fwd_classes},
         class_times={},
     )
-    for i in range(max_rounds):  # a round: forward and backward timed back to back, profiled
+    for i in range(max_rounds):
         if i >= rounds and out.decided(claims):
             break
         model.zero_grad(set_to_none=True)
-        synchronize(device)
-        t0 = time.perf_counter()
-        loss = forward()
-        synchronize(device)
-        t1 = time.perf_counter()
-        loss.backward()
-        synchronize(device)
-        out.forward_times.append(t1 - t0)
-        out.backward_times.append(time.perf_counter() - t1)
-        fwd_ops, all_ops = op_self_times(forward, device), op_self_times(both, device)
-        bwd_ops = {k: max(0.0, v - fwd_ops.get(k, 0.0)) for k, v in all_ops.items()}
-        for phase, ops in (("forward", fwd_ops), ("backward", bwd_ops)):
-            for name, seconds in by_op_class(ops).items():
-                out.class_times.setdefault(f"{phase} {name}", []).append(seconds)
-        out.forward_ops, out.backward_ops = fwd_ops, bwd_ops
+        _forward_backward_round(out, forward, both, device)
     return out
+
+
+def _class_flops(counter) -> dict[str, int]:
+    """A FlopCounterMode's counts summed per op class (contractions, normalisations, ...)."""
+    from helpers.timing import OP_CLASSES, op_class
+
+    out = dict.fromkeys(OP_CLASSES, 0)
+    for op, n in counter.get_flop_counts()["Global"].items():  # keys like aten.mm
+        out[op_class(str(op).removeprefix("aten.").split(".")[0])] += n
+    return out
+
+
+def _forward_backward_round(out: ForwardBackwardResult, forward, both, device) -> None:
+    """One round: a forward and a backward timed back to back, then both passes profiled."""
+    from helpers.timing import by_op_class, op_self_times
+
+    synchronize(device)
+    t0 = time.perf_counter()
+    loss = forward()
+    synchronize(device)
+    t1 = time.perf_counter()
+    loss.backward()
+    synchronize(device)
+    out.forward_times.append(t1 - t0)
+    out.backward_times.append(time.perf_counter() - t1)
+    fwd_ops, all_ops = op_self_times(forward, device), op_self_times(both, device)
+    bwd_ops = {k: max(0.0, v - fwd_ops.get(k, 0.0)) for k, v in all_ops.items()}
+    for phase, ops in (("forward", fwd_ops), ("backward", bwd_ops)):
+        for name, seconds in by_op_class(ops).items():
+            out.class_times.setdefault(f"{phase} {name}", []).append(seconds)
+    out.forward_ops, out.backward_ops = fwd_ops, bwd_ops
 
 
 def trainer_arguments(output_dir: str, device: torch.device | str | None = None, **overrides):

@@ -223,18 +223,7 @@ def test_unsupported_architecture_is_a_clear_error():
 def test_cli_estimate_json_is_the_estimate(capsys):
     from helpers.cli import main
 
-    argv = [
-        "estimate",
-        "--model",
-        "bert-tiny",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--device",
-        "cpu",
-        "--json",
-    ]
+    argv = "estimate --model bert-tiny --batch-size 2 --seq-len 32 --device cpu --json".split()
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     est = estimate("bert-tiny", 2, 32, device="cpu")

@@ -144,24 +144,8 @@ def test_cli_plan_bad_input_is_one_line_and_exit_2(args, capsys):
 
 def test_cli_plan_json(capsys):
     # The real command: candidates timed in fresh processes, one line of JSON at the end.
-    argv = [
-        "plan",
-        "--model",
-        MODEL,
-        "--budget",
-        "12MiB",
-        "--effective-batch",
-        "4",
-        "--seq-len",
-        "32",
-        "--device",
-        "cpu",
-        "--top-k",
-        "1",
-        "--rounds",
-        "5",
-        "--json",
-    ]
+    argv = f"plan --model {MODEL} --budget 12MiB --effective-batch 4 --seq-len 32".split()
+    argv += "--device cpu --top-k 1 --rounds 5 --json".split()
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["best"] and data["best_estimated_peak"] <= 12 * MiB

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from helpers.device import allocation_bytes
@@ -37,6 +39,44 @@ def estimate(
     """
     from helpers.device import resolve
 
+    _check_setting(precision, optimizer, attn, batch_size, seq_len, grad_accum)
+    info = describe_model(model, attn, lora_r, lora_targets)
+    limit = info.config.get("max_position_embeddings")
+    if limit and seq_len > limit:
+        raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings ({limit})")
+    dev = resolve(device)
+    z = _Shape(
+        b=batch_size, s=seq_len, ea=PRECISION_BYTES[precision], amp=precision in AUTOCAST,
+        dev=dev.type,
+    )  # fmt: skip
+    build = _encoder_stages if info.family == "encoder" else _decoder_stages
+    stages = build(info, z, attn, gradient_checkpointing)
+    _add_adapters(stages, info, z)
+    if dev.type == "cuda":
+        _round_to_allocations(stages, info)
+    state = _training_state(info, optimizer, dev.type)
+    base = state.params + state.buffers + state.optimizer_state
+    act, temp, copies, peak, where = _simulate(
+        stages, base, state.gradients, grad_accum > 1, state.step_temporaries
+    )
+    return Estimate(
+        n_params=info.n_params,
+        params=state.params,
+        buffers=state.buffers,
+        gradients=state.gradients,
+        optimizer_state=state.optimizer_state,
+        activations=act,
+        temporaries=temp,
+        weight_copies=copies,
+        peak=peak,
+        peak_at=where,
+        layer_activations=_first_layer(stages),
+        paper_layer_bytes=_paper_layer_bytes(info.config, batch_size, seq_len),
+    )
+
+
+def _check_setting(precision, optimizer, attn, batch_size, seq_len, grad_accum) -> None:
+    """Raise ValueError, saying what to use, for a setting the estimator does not know."""
     if precision not in PRECISION_BYTES:
         raise ValueError(f"unknown precision {precision!r}: use fp32, tf32, bf16 or fp16")
     if optimizer not in OPTIMIZERS:
@@ -45,51 +85,48 @@ def estimate(
         raise ValueError(f"unknown attention {attn!r}: use eager or sdpa")
     if batch_size < 1 or seq_len < 1 or grad_accum < 1:
         raise ValueError("batch size, sequence length and accumulation must be positive")
-    info = describe_model(model, attn, lora_r, lora_targets)
-    limit = info.config.get("max_position_embeddings")
-    if limit and seq_len > limit:
-        raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings ({limit})")
-    dev = resolve(device)
-    amp = precision in AUTOCAST
-    z = _Shape(b=batch_size, s=seq_len, ea=PRECISION_BYTES[precision], amp=amp, dev=dev.type)
-    build = _encoder_stages if info.family == "encoder" else _decoder_stages
-    stages = build(info, z, attn, gradient_checkpointing)
-    _add_adapters(stages, info, z)
-    if dev.type == "cuda":
-        _round_to_allocations(stages, info)
-    trainable = [p for p in info.params if p.trainable]
+
+
+@dataclass
+class _State:
+    """The training state's bytes as the device holds them (allocator rounding applied)."""
+
+    params: int
+    buffers: int
+    gradients: int
+    optimizer_state: int
+    step_temporaries: int  # the optimizer step's own scratch
+
+
+def _training_state(info: ModelInfo, optimizer: str, device_type: str) -> _State:
+    """Parameters, buffers, gradients (trainable only) and optimizer state, in bytes."""
 
     def alloc(nbytes: int) -> int:  # a tensor's bytes as the allocator holds them
-        return allocation_bytes(nbytes, dev.type)
+        return allocation_bytes(nbytes, device_type)
 
-    params = sum(alloc(FP32 * p.numel) for p in info.params)
-    grads = sum(alloc(FP32 * p.numel) for p in trainable)
-    buffers = sum(alloc(b) for b in info.buffer_sizes)
-    state = optimizer_state_bytes(optimizer, trainable, dev.type)
-    opt_temp = optimizer_step_temporaries(optimizer, trainable, dev.type)
-    base = params + buffers + state
-    act, temp, copies, peak, where = _simulate(stages, base, grads, grad_accum > 1, opt_temp)
+    trainable = [p for p in info.params if p.trainable]
+    return _State(
+        params=sum(alloc(FP32 * p.numel) for p in info.params),
+        buffers=sum(alloc(b) for b in info.buffer_sizes),
+        gradients=sum(alloc(FP32 * p.numel) for p in trainable),
+        optimizer_state=optimizer_state_bytes(optimizer, trainable, device_type),
+        step_temporaries=optimizer_step_temporaries(optimizer, trainable, device_type),
+    )
+
+
+def _first_layer(stages: list[Stage]) -> dict[str, int]:
+    """What the first layer saves for backward, labelled "<stage>: <tensor>"."""
     layer = {}
     for st in stages:
         if st.name.startswith("L0."):
             layer.update({f"{st.name[3:]}: {k}": v for k, v in st.saved.items()})
-    c = info.config
-    h, a = c["hidden_size"], c["num_attention_heads"]
-    paper = 34 * seq_len * batch_size * h + 5 * a * seq_len * seq_len * batch_size
-    return Estimate(
-        n_params=info.n_params,
-        params=params,
-        buffers=buffers,
-        gradients=grads,
-        optimizer_state=state,
-        activations=act,
-        temporaries=temp,
-        weight_copies=copies,
-        peak=peak,
-        peak_at=where,
-        layer_activations=layer,
-        paper_layer_bytes=paper,
-    )
+    return layer
+
+
+def _paper_layer_bytes(config: dict, batch_size: int, seq_len: int) -> int:
+    """Korthikanti et al.'s activation bytes of one layer: s·b·h·(34 + 5as/h)."""
+    h, a = config["hidden_size"], config["num_attention_heads"]
+    return 34 * seq_len * batch_size * h + 5 * a * seq_len * seq_len * batch_size
 
 
 def _round_to_allocations(stages: list[Stage], m: ModelInfo) -> None:
@@ -140,17 +177,10 @@ def _add_adapters(stages: list[Stage], m: ModelInfo, z: _Shape) -> None:
 
 
 def estimate_run(cfg) -> Estimate:
-    """``estimate`` for a ``helpers.train.RunConfig`` (the same fields ``measure`` reads)."""
-    return estimate(
-        cfg.model,
-        cfg.batch_size,
-        cfg.seq_len,
-        precision=cfg.precision,
-        optimizer=cfg.optimizer,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        attn=cfg.attn,
-        grad_accum=cfg.grad_accum,
-        device=cfg.device,
-        lora_r=getattr(cfg, "lora_r", 0),
-        lora_targets=getattr(cfg, "lora_targets", ""),
-    )
+    """``estimate`` for a ``helpers.train.RunConfig`` (the same fields ``measure`` reads): every
+    argument of ``estimate`` is taken from the config's field of the same name, where it has one
+    (a config without LoRA fields, for example, gets estimate's defaults)."""
+    from inspect import signature
+
+    names = [n for n in signature(estimate).parameters if n != "model" and hasattr(cfg, n)]
+    return estimate(cfg.model, **{n: getattr(cfg, n) for n in names})

@@ -109,7 +109,7 @@ class Candidate:
 
 
 @dataclass
-class Measurement:
+class CandidateResult:
     """A short measured run of a candidate on this machine."""
 
     candidate: Candidate
@@ -137,9 +137,9 @@ class Plan:
     weights: int  # bytes of parameters and buffers alone
     considered: int  # candidates estimated
     fitting: list[Candidate]  # estimated to fit, cheapest predicted first
-    measured: list[Measurement]  # fastest first; failed runs last
-    best: Measurement | None
-    runner_up: Measurement | None
+    measured: list[CandidateResult]  # fastest first; failed runs last
+    best: CandidateResult | None
+    runner_up: CandidateResult | None
     reason: str
     timing: object = None  # the interleaved Comparison of the candidates that ran
 
@@ -250,7 +250,7 @@ def shortlist(cands: list[Candidate], k: int = 6) -> list[Candidate]:
     return sorted(picked, key=fitting.index)
 
 
-def _run(cfg, budget: int | None) -> dict:
+def _run(cfg, budget: int | None) -> int:
     """Warm ``cfg`` up, then track one step's peak under ``budget`` (a fresh process's job).
 
     On CUDA the whole run is inside the allocator's cap: building the model, the warm-up and
@@ -270,7 +270,7 @@ def _run(cfg, budget: int | None) -> dict:
         tracker.track_external(trainee.model, trainee.optimizer)
         with tracker:
             trainee.step()
-    return {"peak": tracker.peaks().peak}
+    return tracker.peaks().peak
 
 
 def measure_candidate(
@@ -280,7 +280,7 @@ def measure_candidate(
     budget: int | None = None,
     device: str | None = None,
     isolate: bool = True,
-) -> Measurement:
+) -> CandidateResult:
     """Run a candidate, tracking one step's peak under ``budget`` (speed: ``time_candidates``)."""
     from helpers.isolate import call_isolated
 
@@ -288,17 +288,17 @@ def measure_candidate(
     if isolate:
         outcome = call_isolated(_run, cfg, budget)
         if outcome.error:
-            return Measurement(cand, error=outcome.error)
-        result = outcome.value
+            return CandidateResult(cand, error=outcome.error)
+        peak = outcome.value
     else:
         try:
-            result = _run(cfg, budget)
+            peak = _run(cfg, budget)
         except torch.OutOfMemoryError as err:
-            return Measurement(cand, error=f"OutOfMemoryError: {str(err).splitlines()[0]}")
-    return Measurement(cand, measured_peak=result["peak"])
+            return CandidateResult(cand, error=f"OutOfMemoryError: {str(err).splitlines()[0]}")
+    return CandidateResult(cand, measured_peak=peak)
 
 
-def time_candidates(measured: list[Measurement], model, seq_len: int, device=None, rounds=5):
+def time_candidates(measured: list[CandidateResult], model, seq_len: int, device=None, rounds=5):
     """Time the candidates that ran against each other in interleaved rounds; fill in speeds.
 
     Each candidate trains in a process of its own (``helpers.isolate.compare_benches``), so a
@@ -353,12 +353,7 @@ def plan(
         raise ValueError(f"device {dev} is not on this machine: the plan times candidates here")
     seq_len = seq_len or get_scale(device=dev).seq_len
     info = describe_model(model, "eager")
-    weights = 4 * info.n_params + info.buffer_bytes
-    if budget < weights:
-        raise ValueError(
-            f"a budget of {_fmt(budget)} is below the weights alone ({_fmt(weights)} for "
-            f"{info.n_params:,} fp32 parameters): no configuration can fit"
-        )
+    weights = _weights_within(info, budget)
     cands = candidates(model, budget, effective_batch, seq_len, dev, **space)
     fitting = [c for c in cands if c.fits]
     measured = [
@@ -386,6 +381,17 @@ def plan(
         explain(best, runner, cands, budget, measured, timing),
         timing,
     )
+
+
+def _weights_within(info, budget: int) -> int:
+    """The fp32 weights' bytes; ValueError when the budget cannot hold even those."""
+    weights = 4 * info.n_params + info.buffer_bytes
+    if budget < weights:
+        raise ValueError(
+            f"a budget of {_fmt(budget)} is below the weights alone ({_fmt(weights)} for "
+            f"{info.n_params:,} fp32 parameters): no configuration can fit"
+        )
+    return weights
 
 
 def _fmt(nbytes: float) -> str:

@@ -29,19 +29,39 @@ class Estimate:
         return asdict(self)
 
 
+@dataclass
+class _Walk:
+    """Running maxima of a walk through the step, and where the total peaked."""
+
+    activations: int = 0
+    temporaries: int = 0
+    copies: int = 0
+    peak: int = 0
+    where: str = ""
+
+    def seen(self, total: int, label: str) -> None:
+        """Note a moment's total bytes; the first moment of a new maximum names the peak."""
+        if total > self.peak:
+            self.peak, self.where = total, label
+
+
 def _simulate(stages: list[Stage], base: int, grads_all: int, accumulate: bool, opt_temp: int):
     """Walk forward, backward and the optimizer step; return category maxima and the peak."""
-    act_max = temp_max = copies_max = 0
-    peak, where = 0, ""
-
-    def seen(total: int, label: str) -> None:
-        nonlocal peak, where
-        if total > peak:
-            peak, where = total, label
-
+    walk = _Walk()
     grads0 = grads_all if accumulate else 0  # later micro-batches find every gradient there
-    # Forward: saved tensors pile up; checkpointed layers keep their input only (and free
-    # their intermediates as they go, so only the stage's transients are added).
+    kept = _forward(stages, walk, base + grads0)
+    _backward(stages, walk, base, grads0, kept, accumulate)
+    walk.temporaries = max(walk.temporaries, opt_temp)
+    walk.seen(base + grads_all + opt_temp, "optimizer step")
+    return walk.activations, walk.temporaries, walk.copies, walk.peak, walk.where
+
+
+def _forward(stages: list[Stage], walk: _Walk, floor: int) -> int:
+    """The forward pass, stage by stage; returns the activation bytes kept for backward.
+
+    Saved tensors pile up; checkpointed layers keep their input only (and free their
+    intermediates as they go, so only the stage's transients are added).
+    """
     kept = fwd_only = copies = 0
     for st in stages:
         full = sum(st.saved.values())
@@ -52,16 +72,19 @@ def _simulate(stages: list[Stage], base: int, grads_all: int, accumulate: bool, 
             here = kept + st.checkpoint_input + extra
         here += fwd_only + sum(st.forward_only.values())
         copies += st.copies
-        act_max = max(act_max, here)
-        copies_max = max(copies_max, copies)
-        seen(base + grads0 + here + copies, f"forward: {st.name}")
+        walk.activations = max(walk.activations, here)
+        walk.copies = max(walk.copies, copies)
+        walk.seen(floor + here + copies, f"forward: {st.name}")
         kept += st.checkpoint_input if st.region is not None else full
         fwd_only += sum(st.forward_only.values())
-    temp_max = max(temp_max, copies)
-    # Backward: stages in reverse; a checkpointed layer is recomputed when backward reaches it.
-    act = kept
+    walk.temporaries = max(walk.temporaries, copies)
+    return kept
+
+
+def _backward(stages: list[Stage], walk: _Walk, base: int, grads: int, act: int, accumulate):
+    """Backward: stages in reverse; a checkpointed layer is recomputed when backward reaches
+    it. ``grads`` are the gradient bytes already there, ``act`` the activations kept."""
     copies = sum(st.copies for st in stages if st.region is None)  # autocast's cache is gone
-    grads = grads0
     recomputed: set[int] = set()
     pending = 0  # a tied weight's first gradient, a temporary until the second one is added
     for st in reversed(stages):
@@ -72,13 +95,13 @@ def _simulate(stages: list[Stage], base: int, grads_all: int, accumulate: bool, 
             act += sum(sum(x.saved.values()) - x.recompute_temp for x in region)
             act -= sum(x.checkpoint_input for x in region if x.input_in_saved)
             copies += sum(x.copies for x in region)
-            act_max = max(act_max, act + st.recompute_transient)
-            copies_max = max(copies_max, copies)
+            walk.activations = max(walk.activations, act + st.recompute_transient)
+            walk.copies = max(walk.copies, copies)
         for mom in st.backward or [Moment(0)]:
             done = 0 if accumulate else mom.grads_done
             temp = copies - mom.copies_released + mom.temp + rtemp + pending
-            temp_max = max(temp_max, temp)
-            seen(base + grads + done + act - mom.released + temp, f"backward: {st.name}")
+            walk.temporaries = max(walk.temporaries, temp)
+            walk.seen(base + grads + done + act - mom.released + temp, f"backward: {st.name}")
         act -= sum(st.saved.values()) - rtemp
         if st.region is not None and not st.input_in_saved:
             act -= st.checkpoint_input
@@ -89,6 +112,3 @@ def _simulate(stages: list[Stage], base: int, grads_all: int, accumulate: bool, 
         elif st.name == "embed" and pending:
             grads += 0 if accumulate else pending
             pending = 0
-    temp_max = max(temp_max, opt_temp)
-    seen(base + grads_all + opt_temp, "optimizer step")
-    return act_max, temp_max, copies_max, peak, where
