@@ -12,8 +12,8 @@ from helpers.data import MarkovTask
 from helpers.lessons.data_loading import (
     SPECIALS,
     Documents,
-    LoopResult,
-    LoopSpec,
+    LoaderConfig,
+    LoaderResult,
     WindowCollator,
     calibrate,
     copy_comparison,
@@ -84,9 +84,9 @@ def test_predicted_step_limits():
 
 
 def test_loop_result_accounting():
-    r = LoopResult(LoopSpec(batch_size=4, num_workers=1), waits=[1.0, 1.0],
-                   computes=[1.0, 3.0], collates=[3.0, 3.0], collate_cpus=[2.0, 2.0],
-                   model_cpus=[2.0, 2.0], cores=2)  # fmt: skip
+    r = LoaderResult(LoaderConfig(batch_size=4, num_workers=1), waits=[1.0, 1.0],
+                     computes=[1.0, 3.0], collates=[3.0, 3.0], collate_cpus=[2.0, 2.0],
+                     model_cpus=[2.0, 2.0], cores=2)  # fmt: skip
     assert r.step_time == 3.0 and r.wait_fraction == 2 / 6 and r.samples_per_s == 4 / 3
     assert r.predicted == 3.0
     fig = starvation_figure({"a": r}, prior={0: 5.0, 1: 3.0})
@@ -143,11 +143,11 @@ def test_pin_memory_without_accelerator_warns():
 
 
 def test_loader_loop_accounts_every_step():
-    spec = LoopSpec(words_per_doc=40, seq_len=16, steps=2, warmup=1, num_workers=1,
-                    device="cpu")  # fmt: skip
+    config = LoaderConfig(words_per_doc=40, seq_len=16, steps=2, warmup=1, num_workers=1,
+                          device="cpu")  # fmt: skip
     threads = torch.get_num_threads()
     try:
-        r = loader_loop(spec)  # made for a fresh process: it sets the thread count
+        r = loader_loop(config)  # made for a fresh process: it sets the thread count
     finally:
         torch.set_num_threads(threads)
     assert len(r.waits) == len(r.computes) == len(r.collates) == len(r.collate_cpus) == 2
@@ -160,9 +160,9 @@ def test_loop_rounds_alternate_fresh_runs_and_pool_their_steps():
 
     from helpers.lessons.data_loading import loop_rounds, pooled
 
-    base = LoopSpec(words_per_doc=40, seq_len=16, steps=2, warmup=1, device="cpu")
-    specs = {"0 workers": base, "1 worker": replace(base, num_workers=1)}
-    out = loop_rounds(specs, rounds=2, max_rounds=2, max_others=None)
+    base = LoaderConfig(words_per_doc=40, seq_len=16, steps=2, warmup=1, device="cpu")
+    configs = {"0 workers": base, "1 worker": replace(base, num_workers=1)}
+    out = loop_rounds(configs, rounds=2, max_rounds=2, max_others=None)
     assert (
         out.steps.times == out.quiet.times
         and out.steps.rounds == 2
@@ -170,7 +170,7 @@ def test_loop_rounds_alternate_fresh_runs_and_pool_their_steps():
     )
     assert out.steps.times["1 worker"] == [r.step_time for r in out.runs["1 worker"]]
     one = out.pooled()["1 worker"]
-    assert len(one.waits) == 4 and one.spec.num_workers == 1
+    assert len(one.waits) == 4 and one.config.num_workers == 1
     assert one.step_time == pytest.approx(sum(r.step_time for r in out.runs["1 worker"]) / 2)
     assert pooled(out.runs["0 workers"]).gpu_util is None
 
@@ -179,11 +179,50 @@ def test_loop_rounds_alternate_fresh_runs_and_pool_their_steps():
 def test_loop_rounds_leave_out_rounds_run_while_other_processes_were_busy():
     from helpers.lessons.data_loading import loop_rounds
 
-    spec = LoopSpec(words_per_doc=40, seq_len=16, steps=2, warmup=1, device="cpu")
+    config = LoaderConfig(words_per_doc=40, seq_len=16, steps=2, warmup=1, device="cpu")
     # Any measured load, even none, is at least -1 core: every round is left out.
-    out = loop_rounds({"a": spec, "b": spec}, rounds=1, max_rounds=2, max_others=-1)
+    out = loop_rounds({"a": config, "b": config}, rounds=1, max_rounds=2, max_others=-1)
     assert out.quiet.rounds == 0 and list(out.quiet.left_out.values()) == [2]
     claim = Claim("a", "faster", "b")
     assert out.quiet.verdict(claim) == "undecided" and "2 left out" in out.quiet.describe(claim)
-    # The runs themselves stay, for the tables: every round of every spec.
+    # The runs themselves stay, for the tables: every round of every configuration.
     assert out.steps.rounds == 2 and [len(v) for v in out.runs.values()] == [2, 2]
+
+
+def test_loop_record_keeps_the_configuration_in_config_and_measurements_in_extra():
+    from helpers.lessons.data_loading import loop_record
+
+    r = LoaderResult(LoaderConfig(batch_size=4, num_workers=1), waits=[1.0, 1.0],
+                     computes=[1.0, 3.0], collates=[3.0, 3.0], collate_cpus=[2.0, 2.0],
+                     model_cpus=[2.0, 2.0], cores=2)  # fmt: skip
+    rec = loop_record(r, {"name": "test"}, "1 worker")
+    assert rec.config["label"] == "1 worker" and rec.config["num_workers"] == 1
+    assert not {"t_data", "t_model", "wait_fraction"} & set(rec.config)
+    assert rec.extra["t_data"] == 3.0 and rec.extra["predicted_step"] == 3.0
+    assert rec.step_time == 3.0 and rec.step_times == [2.0, 4.0]
+
+
+def test_pin_report_without_accelerator():
+    from helpers.lessons.data_loading import PinMemoryResult, pin_report
+
+    if torch.accelerator.is_available():
+        pytest.skip("an accelerator is present: pinning works here")
+    pin = pin_report("cpu")
+    assert isinstance(pin, PinMemoryResult) and not pin.batch_pinned and pin.batch_bytes > 0
+    assert any("pin_memory" in m for m in pin.warnings)
+    assert pin.copies is None and pin.held is None
+
+
+def test_trainer_runs_time_each_worker_count():
+    # In a fresh process, as in the notebook: it sets the thread count and DS_ACCELERATOR.
+    from helpers.isolate import call_isolated
+    from helpers.lessons.data_loading import trainer_runs
+
+    outcome = call_isolated(trainer_runs, "bert-tiny", 2, 16, 40, (0, 1), 2, 1, 1, "cpu",
+                            daemon=False)  # fmt: skip
+    out = outcome.unwrap()
+    assert [r.num_workers for r in out] == [0, 1] == [r.loader_workers for r in out]
+    for r in out:
+        assert r.t_data > 0 and r.t_model > 0 and 0 <= r.wait_fraction < 1
+        assert r.step_time > 0 and r.samples_per_s == pytest.approx(2 / r.step_time)
+        assert r.pin_memory_arg is False  # use_cpu: the Trainer turns pinning off

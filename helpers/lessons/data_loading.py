@@ -172,17 +172,8 @@ def make_loader(
 
 
 def to_device(batch: dict, device: torch.device, non_blocking: bool = False) -> dict:
-    """Every tensor of ``batch`` on ``device``."""
+    """Every tensor of ``batch`` on ``device``: the same mapping of model inputs, moved."""
     return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
-
-
-def train_step(model, optimizer, batch: dict) -> torch.Tensor:
-    """Forward, backward and optimizer step on one batch; the loss, detached."""
-    loss = model(**batch).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
 
 
 def _model_and_optimizer(name: str, device: torch.device, seed: int):
@@ -196,6 +187,7 @@ def _model_and_optimizer(name: str, device: torch.device, seed: int):
 
 
 def _device(device: str | None) -> torch.device:
+    """``device`` as a torch.device (None: the default device)."""
     from helpers.device import resolve
 
     return resolve(device)
@@ -256,15 +248,15 @@ def prediction_band(workers: int, cores: int) -> tuple[float, float]:
 
 
 @dataclass
-class Calibration:
+class CalibrationResult:
     """The step and tokenizer costs the lesson sizes its documents from (seconds)."""
 
     t_model: float  # one training step, batch already on the device
     model_cpu: float  # CPU seconds the training process spends on that step
     words_per_doc: int  # document length that makes t_data about ratio x t_model (slow)
     t_data: dict[str, float]  # one batch from the loader alone (no model), per tokenizer
-    ratio: float
-    batch_size: int
+    ratio: float  # the t_data / t_model the documents were sized for (slow tokenizer)
+    batch_size: int  # documents per batch
     tokenizers: object = None  # helpers.timing.Comparison: the tokenizers' batches, in turns
 
     def per_word(self, kind: str) -> float:
@@ -289,49 +281,67 @@ def calibrate(
     probe_words: int = 400,
     seed: int = 0,
     claims=(),
-) -> Calibration:
+) -> CalibrationResult:
     """Measure t_model, size documents so the slow pipeline takes ``ratio`` x t_model per batch.
 
     The two tokenizers' batches at that size are then timed in turns (``repeats`` rounds at
     least, more while one of ``claims`` about them is undecided).
     """
-    from helpers.timing import compare_calls, synchronize
-
     torch.set_num_threads(threads)
     dev = _device(device)
     net, optimizer = _model_and_optimizer(model, dev, seed)
     probe = Documents(batch_size, seq_len, seed=seed)
     batch = to_device(next(iter(make_loader(probe, batch_size, seq_len))), dev)
+    t_model, model_cpu = _step_costs(net, optimizer, batch, dev, repeats)
+    words = _words_per_doc(ratio * t_model, batch_size, seq_len, probe_words, seed)
+    docs = Documents(batch_size * 4, words, seed=seed)
+    tokenizers = _tokenizer_rounds(docs, batch_size, seq_len, max(5, repeats), claims)
+    t_data = {kind: tokenizers.median(kind) for kind in TOKENIZERS}
+    return CalibrationResult(t_model, model_cpu, words, t_data, ratio, batch_size, tokenizers)
+
+
+def _step_costs(net, optimizer, batch: dict, dev: torch.device, repeats: int):
+    """Median (wall-clock, CPU) seconds of the base training step on ``batch``, warmed up."""
+    from helpers.timing import synchronize
+    from helpers.train import train_step
+
     walls, cpus = [], []
     for i in range(2 + repeats):  # two warm-up steps (the first creates AdamW's state)
         synchronize(dev)
         wall, cpu = time.perf_counter(), time.thread_time()
-        train_step(net, optimizer, batch)
+        train_step(net, optimizer, [batch])
         cpu = time.thread_time() - cpu  # before synchronising: work, not waiting
         synchronize(dev)
         if i >= 2:
             walls.append(time.perf_counter() - wall)
             cpus.append(cpu)
-    t_model, model_cpu = statistics.median(walls), statistics.median(cpus)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def _words_per_doc(t_target: float, batch_size: int, seq_len: int, probe_words: int, seed: int):
+    """Document length at which the slow pipeline takes about ``t_target`` seconds per batch."""
     # Sizing, not a claim: the slow tokenizer's seconds per word on long probe documents.
     probe_docs = Documents(batch_size * 3, probe_words, seed=seed)
     probe_s = statistics.median(batch_times(make_loader(probe_docs, batch_size, seq_len), 3)[1:])
-    words = max(seq_len, math.ceil(ratio * t_model * probe_words / probe_s))
-    docs = Documents(batch_size * 4, words, seed=seed)
+    return max(seq_len, math.ceil(t_target * probe_words / probe_s))
+
+
+def _tokenizer_rounds(docs: Documents, batch_size: int, seq_len: int, rounds: int, claims):
+    """Batches of ``docs`` from each tokenizer's loader, timed in turns (a Comparison)."""
+    from helpers.timing import compare_calls
+
     batches = {kind: endless(make_loader(docs, batch_size, seq_len, kind)) for kind in TOKENIZERS}
-    tokenizers = compare_calls(
+    return compare_calls(
         {kind: (lambda it=it: next(it)) for kind, it in batches.items()},
         torch.device("cpu"),  # the loader runs on the CPU whatever the model's device
-        rounds=max(5, repeats),
+        rounds=rounds,
         claims=claims,
     )
-    t_data = {kind: tokenizers.median(kind) for kind in TOKENIZERS}
-    return Calibration(t_model, model_cpu, words, t_data, ratio, batch_size, tokenizers)
 
 
 @dataclass
-class LoopSpec:
-    """One measured training loop fed by the tokenising DataLoader."""
+class LoaderConfig:
+    """One measured training loop fed by the tokenising DataLoader (``loader_loop``)."""
 
     model: str = "bert-tiny"
     batch_size: int = 4
@@ -348,12 +358,12 @@ class LoopSpec:
 
 
 @dataclass
-class LoopResult:
+class LoaderResult:
     """Per-step seconds spent waiting in ``next(loader)`` and computing, after the warm-up."""
 
-    spec: LoopSpec
-    waits: list[float] = field(default_factory=list)
-    computes: list[float] = field(default_factory=list)
+    config: LoaderConfig  # the loop that ran
+    waits: list[float] = field(default_factory=list)  # seconds in next(loader), per step
+    computes: list[float] = field(default_factory=list)  # seconds of each training step
     collates: list[float] = field(default_factory=list)  # seconds each batch's collate took
     collate_cpus: list[float] = field(default_factory=list)  # CPU seconds of those
     model_cpus: list[float] = field(default_factory=list)  # CPU seconds of each step
@@ -376,7 +386,7 @@ class LoopResult:
     def predicted(self) -> float:
         """``predicted_step`` from this run's own t_data and t_model."""
         model_cpu, data_cpu = statistics.fmean(self.model_cpus), statistics.fmean(self.collate_cpus)
-        w = self.spec.num_workers
+        w = self.config.num_workers
         return predicted_step(self.t_data, self.t_model, w, self.cores, model_cpu, data_cpu)
 
     @property
@@ -392,7 +402,7 @@ class LoopResult:
     @property
     def samples_per_s(self) -> float:
         """Training throughput."""
-        return self.spec.batch_size / self.step_time
+        return self.config.batch_size / self.step_time
 
 
 def check_workers_allowed(num_workers: int) -> None:
@@ -405,32 +415,33 @@ def check_workers_allowed(num_workers: int) -> None:
         )
 
 
-def loader_loop(spec: LoopSpec) -> LoopResult:
-    """Train ``spec.steps`` steps from the DataLoader; time the wait for data and the compute."""
+def loader_loop(config: LoaderConfig) -> LoaderResult:
+    """Train ``config.steps`` steps from the DataLoader; time the wait for data and the compute."""
     # The collate function times itself (WindowCollator(timed=True)), so each run also yields
     # its own t_data and t_model, measured while it ran: the prediction and the measurement
     # share the machine's state of that moment.
     from helpers.timing import synchronize
+    from helpers.train import train_step
 
-    check_workers_allowed(spec.num_workers)
-    torch.set_num_threads(spec.threads)
-    dev = _device(spec.device)
-    net, optimizer = _model_and_optimizer(spec.model, dev, spec.seed)
-    total = spec.warmup + spec.steps
-    docs = Documents(spec.batch_size * total, spec.words_per_doc, seed=spec.seed)
+    c = config
+    check_workers_allowed(c.num_workers)
+    torch.set_num_threads(c.threads)
+    dev = _device(c.device)
+    net, optimizer = _model_and_optimizer(c.model, dev, c.seed)
+    docs = Documents(c.batch_size * (c.warmup + c.steps), c.words_per_doc, seed=c.seed)
     loader = make_loader(
-        docs, spec.batch_size, spec.seq_len, spec.tokenizer, spec.num_workers, spec.pin_memory,
-        timed=True,
-    )  # fmt: skip
-    result = LoopResult(spec, cores=cpu_cores())
+        docs, c.batch_size, c.seq_len, c.tokenizer, c.num_workers, c.pin_memory, timed=True
+    )
+    result = LoaderResult(c, cores=cpu_cores())
 
     def step(it) -> tuple[float, float, float, float, float]:
+        """One step: (wait, compute, collate, collate CPU, step CPU) seconds."""
         t0 = time.perf_counter()
         batch = next(it)
         t1 = time.perf_counter()
         collate, collate_cpu = float(batch.pop("collate_s")), float(batch.pop("collate_cpu_s"))
         cpu = time.thread_time()
-        train_step(net, optimizer, to_device(batch, dev, non_blocking=spec.pin_memory))
+        train_step(net, optimizer, [to_device(batch, dev, non_blocking=c.pin_memory)])
         cpu = time.thread_time() - cpu  # before the synchronisation: work, not waiting
         synchronize(dev)
         return t1 - t0, time.perf_counter() - t1, collate, collate_cpu, cpu
@@ -439,13 +450,13 @@ def loader_loop(spec: LoopSpec) -> LoopResult:
     it = iter(loader)
     compute = step(it)[1]
     result.first_batch_s = time.perf_counter() - start - compute  # iter() + first batch
-    for _ in range(spec.warmup - 1):
+    for _ in range(c.warmup - 1):
         step(it)
     from helpers.device import UtilSampler
     from helpers.hardware import OtherLoad
 
     with UtilSampler(dev) as sampler, OtherLoad() as others:
-        for _ in range(spec.steps):
+        for _ in range(c.steps):
             wait, compute, collate, collate_cpu, cpu = step(it)
             result.waits.append(wait)
             result.computes.append(compute)
@@ -457,9 +468,9 @@ def loader_loop(spec: LoopSpec) -> LoopResult:
     return result
 
 
-def pooled(results: list[LoopResult]) -> LoopResult:
-    """Several runs of one spec as one result: their measured steps together."""
-    out = LoopResult(results[0].spec, cores=results[0].cores)
+def pooled(results: list[LoaderResult]) -> LoaderResult:
+    """Several runs of one configuration as one result: their measured steps together."""
+    out = LoaderResult(results[0].config, cores=results[0].cores)
     for r in results:
         for name in ("waits", "computes", "collates", "collate_cpus", "model_cpus"):
             getattr(out, name).extend(getattr(r, name))
@@ -472,24 +483,24 @@ def pooled(results: list[LoopResult]) -> LoopResult:
 
 
 @dataclass
-class LoopRounds:
-    """Training loops run in rotating rounds, each run in a fresh process."""
+class LoaderRoundsResult:
+    """Training loops run in rotating rounds, each run in a fresh process (``loop_rounds``)."""
 
     steps: object  # helpers.timing.Comparison: each run's mean step seconds, every round
     quiet: object  # the same for the rounds no other process disturbed (for the claims)
-    runs: dict[str, list[LoopResult]]  # every run of every spec, in order
+    runs: dict[str, list[LoaderResult]]  # every run of every configuration, in order
 
-    def pooled(self) -> dict[str, LoopResult]:
-        """Each spec's runs as one ``LoopResult`` (``pooled``)."""
+    def pooled(self) -> dict[str, LoaderResult]:
+        """Each configuration's runs as one ``LoaderResult`` (``pooled``), keyed by its name."""
         return {name: pooled(runs) for name, runs in self.runs.items() if runs}
 
 
 def loop_rounds(
-    specs: dict[str, LoopSpec], claims=(), max_others: float | None = 0.2, **rounds
-) -> LoopRounds:
-    """``loader_loop`` of every spec, each run a fresh process, in rotating rounds.
+    configs: dict[str, LoaderConfig], claims=(), max_others: float | None = 0.2, **rounds
+) -> LoaderRoundsResult:
+    """``loader_loop`` of every configuration, each run a fresh process, in rotating rounds.
 
-    A round runs every spec once, so a burst of load on the machine hits all of them;
+    A round runs every configuration once, so a burst of load on the machine hits all of them;
     ``rounds`` as for ``helpers.timing.interleave`` (more rounds while a claim is undecided).
     Interleaving cancels a load that slows every run alike, but a worker overlaps only if a
     core is free for it: a round in which other processes used ``max_others`` cores or more
@@ -503,17 +514,19 @@ def loop_rounds(
     from helpers.isolate import call_isolated
     from helpers.timing import Comparison, interleave
 
-    runs: dict[str, list[LoopResult]] = {name: [] for name in specs}
-    this_round: dict[str, LoopResult] = {}
+    runs: dict[str, list[LoaderResult]] = {name: [] for name in configs}
+    this_round: dict[str, LoaderResult] = {}
 
     def run(name: str) -> float:
-        out = call_isolated(loader_loop, specs[name], daemon=False)
+        """One run of configuration ``name`` in a fresh process; its mean step seconds."""
+        out = call_isolated(loader_loop, configs[name], daemon=False)
         if out.error:
             raise RuntimeError(f"{name}: {out.error}")
         this_round[name] = out.value
         return out.value.step_time
 
     def reject() -> str | None:
+        """Keep the round's runs; why the round is left out of ``quiet``, if it is."""
         done = dict(this_round)
         this_round.clear()
         for name, r in done.items():
@@ -523,18 +536,18 @@ def loop_rounds(
             return f"other processes took {max_others:g}+ of a core"
         return None
 
-    quiet = interleave(run, list(specs), claims=claims, reject=reject, **rounds)
+    quiet = interleave(run, list(configs), claims=claims, reject=reject, **rounds)
     steps = Comparison({name: [r.step_time for r in rs] for name, rs in runs.items()})
-    return LoopRounds(steps, quiet, runs)
+    return LoaderRoundsResult(steps, quiet, runs)
 
 
 @dataclass
-class Startup:
+class StartupResult:
     """Seconds from ``iter(loader)`` to the first batch: each set-up's first epoch (one-off,
     workers start either way), then later epochs timed in turns (``later``, a Comparison)."""
 
-    first_epoch: dict[str, float]
-    later: object  # helpers.timing.Comparison
+    first_epoch: dict[str, float]  # per set-up: the first epoch's delay
+    later: object  # helpers.timing.Comparison: later epochs' delays, one epoch each per round
 
 
 def startup_rounds(
@@ -545,7 +558,7 @@ def startup_rounds(
     claims=(),
     method: str | None = "auto",
     **rounds,
-) -> Startup:
+) -> StartupResult:
     """First-batch delay of loaders with (num_workers, persistent_workers) ``setups``.
 
     All loaders live in this process (run it with ``call_isolated(..., daemon=False)``); an
@@ -570,6 +583,7 @@ def startup_rounds(
     }
 
     def epoch(name: str) -> float:
+        """One epoch of loader ``name``; seconds to its first batch."""
         start = time.perf_counter()
         it = iter(loaders[name])
         next(it)
@@ -579,7 +593,75 @@ def startup_rounds(
         return first
 
     first = {name: epoch(name) for name in loaders}
-    return Startup(first, interleave(epoch, list(loaders), claims=claims, **rounds))
+    return StartupResult(first, interleave(epoch, list(loaders), claims=claims, **rounds))
+
+
+class StepClock:
+    """A TrainerCallback's two events: time stamps of each optimizer step's start and end.
+
+    The Trainer fetches a step's batch before ``on_step_begin``. This class and
+    ``CollateTimes`` meet transformers' base classes only inside ``trainer_runs``
+    (``_on_base``): importing those pulls in peft and bitsandbytes, a second or more in each
+    of the fresh processes that import this module to run a loop.
+    """
+
+    def __init__(self):
+        self.begins: list[float] = []
+        self.ends: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        """The step starts: its batch is here."""
+        self.begins.append(time.perf_counter())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """The optimizer step is done."""
+        self.ends.append(time.perf_counter())
+
+
+class CollateTimes:
+    """Trainer mix-in: keeps each batch's ``collate_s`` instead of passing it to the model."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.collates: list[float] = []  # seconds each batch's collate took, in order
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The Trainer's step on ``inputs`` without the collate function's timings."""
+        self.collates.append(float(inputs.pop("collate_s")))
+        inputs.pop("collate_cpu_s")
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def _on_base(mixin: type, base: type) -> type:
+    """``class Mixin(mixin, base)``: a mix-in on top of a transformers class."""
+    return type(mixin.__name__, (mixin, base), {})
+
+
+@dataclass
+class TrainerLoaderResult:
+    """One ``Trainer`` run of ``trainer_runs``: its DataLoader settings and its steps' times."""
+
+    num_workers: int  # dataloader_num_workers asked for
+    loader_workers: int | None  # num_workers of the DataLoader the Trainer built
+    pin_memory_arg: bool  # dataloader_pin_memory as TrainingArguments kept it
+    loader_pin_memory: bool | None  # pin_memory of the DataLoader the Trainer built
+    step_time: float  # mean seconds per measured step, fetching the batch included
+    t_data: float  # mean seconds of each measured batch's collate, where it ran
+    t_model: float  # mean seconds from on_step_begin to on_step_end
+    wait_fraction: float  # share of the measured time spent before the steps began
+    samples_per_s: float  # batch_size / step_time
+    train_samples_per_second: float  # the Trainer's own throughput, start-up included
+
+
+@dataclass
+class _TrainerRun:
+    """What one Trainer run leaves to measure."""
+
+    clock: StepClock
+    collates: list[float]
+    loader: object  # the DataLoader the Trainer built
+    args: object  # its TrainingArguments
+    metrics: dict
 
 
 def trainer_runs(
@@ -592,93 +674,85 @@ def trainer_runs(
     warmup: int = 2,
     threads: int = 1,
     device: str | None = None,
-) -> list[dict]:
+) -> list[TrainerLoaderResult]:
     """Train with ``Trainer`` on the same documents and collator, once per worker count."""
     # One process for all: importing the Trainer costs seconds, once. Per run: seconds per
-    # step, the share spent before the step began (fetching the batch), the collate's own CPU
+    # step, the share spent before the step began (fetching the batch), the collate's own
     # seconds (a Trainer subclass takes them out of the batch before the model sees it), the
     # Trainer's own throughput (start-up included) and the DataLoader settings it used.
     check_workers_allowed(max(workers, default=0))
     dev = _device(device)
     if dev.type in ("cpu", "cuda"):  # DeepSpeed, imported with the Trainer, would guess and say so
         os.environ.setdefault("DS_ACCELERATOR", dev.type)
-    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
-
-    from helpers.models import build_model, load_config
+    from transformers import Trainer, TrainerCallback
 
     torch.set_num_threads(threads)
     docs = Documents(batch_size * (steps + warmup), words_per_doc, seed=0)
     collate = WindowCollator(make_tokenizer("slow"), seq_len, timed=True)
-
-    class StepClock(TrainerCallback):
-        """Time stamps of each optimizer step's start and end; the batch is fetched before."""
-
-        def __init__(self):
-            self.begins: list[float] = []
-            self.ends: list[float] = []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.begins.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.perf_counter())
-
-    class CollateTimedTrainer(Trainer):
-        """A Trainer that keeps each batch's ``collate_s`` instead of passing it to the model."""
-
-        collates: list[float]
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            self.collates.append(float(inputs.pop("collate_s")))
-            inputs.pop("collate_cpu_s")
-            return super().training_step(model, inputs, num_items_in_batch)
-
+    classes = _on_base(CollateTimes, Trainer), _on_base(StepClock, TrainerCallback)
     out = []
     for num_workers in workers:
-        clock = StepClock()
         with tempfile.TemporaryDirectory() as folder:
-            args = TrainingArguments(
-                output_dir=folder,
-                per_device_train_batch_size=batch_size,
-                max_steps=steps + warmup,
-                dataloader_num_workers=num_workers,
-                dataloader_pin_memory=True,  # the default, spelled out
-                dataloader_multiprocessing_context=start_method() if num_workers else None,
-                remove_unused_columns=False,  # the collator needs the "text" column
-                use_cpu=dev.type == "cpu",
-                report_to="none",
-                save_strategy="no",
-                logging_strategy="no",
-                disable_tqdm=True,
-            )
-            net = build_model(load_config(model), seed=0)
-            trainer = CollateTimedTrainer(
-                model=net, args=args, train_dataset=docs, data_collator=collate,
-                callbacks=[clock],
-            )  # fmt: skip
-            trainer.collates = []
-            trainer.remove_callback(PrinterCallback)  # it would print the final metrics
-            loader = trainer.get_train_dataloader()
-            metrics = trainer.train().metrics
-        begins, ends = np.array(clock.begins[warmup:]), np.array(clock.ends[warmup:])
-        waits = begins - np.array(clock.ends[warmup - 1 : -1])  # fetching the batch, mostly
-        computes = ends - begins
-        step = float(np.mean(waits + computes))
-        out.append(
-            {
-                "num_workers": num_workers,
-                "loader_workers": getattr(loader, "num_workers", None),
-                "pin_memory_arg": args.dataloader_pin_memory,
-                "loader_pin_memory": getattr(loader, "pin_memory", None),
-                "step_time": step,
-                "t_data": statistics.fmean(trainer.collates[warmup:]),
-                "t_model": float(np.mean(computes)),
-                "wait_fraction": float(waits.sum() / (waits.sum() + computes.sum())),
-                "samples_per_s": batch_size / step,
-                "train_samples_per_second": metrics["train_samples_per_second"],
-            }
-        )
+            args = _trainer_args(folder, dev, batch_size, steps + warmup, num_workers)
+            run = _train(classes, model, args, docs, collate)
+        out.append(_trainer_result(run, num_workers, batch_size, warmup))
     return out
+
+
+def _trainer_args(folder: str, dev: torch.device, batch_size: int, steps: int, workers: int):
+    """Quiet TrainingArguments: ``steps`` steps fed by ``workers`` DataLoader workers."""
+    from helpers.train import trainer_arguments
+
+    return trainer_arguments(
+        folder,
+        dev,
+        per_device_train_batch_size=batch_size,
+        max_steps=steps,
+        dataloader_num_workers=workers,
+        dataloader_pin_memory=True,  # the default, spelled out
+        dataloader_multiprocessing_context=start_method() if workers else None,
+        remove_unused_columns=False,  # the collator needs the "text" column
+    )
+
+
+def _train(classes: tuple[type, type], model: str, args, docs: Documents, collate) -> _TrainerRun:
+    """A fresh ``model`` trained by a quiet, timed Trainer (``classes``: Trainer, clock)."""
+    from helpers.models import build_model, load_config
+    from helpers.train import quiet_trainer
+
+    trainer_class, clock_class = classes
+    clock = clock_class()
+    net = build_model(load_config(model), seed=0)
+    trainer = quiet_trainer(
+        trainer_class(
+            model=net, args=args, train_dataset=docs, data_collator=collate, callbacks=[clock]
+        )
+    )
+    loader = trainer.get_train_dataloader()
+    metrics = trainer.train().metrics
+    return _TrainerRun(clock, trainer.collates, loader, args, metrics)
+
+
+def _trainer_result(
+    run: _TrainerRun, num_workers: int, batch_size: int, warmup: int
+) -> TrainerLoaderResult:
+    """A Trainer run's steps after ``warmup``: the wait before each, and the step itself."""
+    begins, ends = np.array(run.clock.begins[warmup:]), np.array(run.clock.ends[warmup:])
+    waits = begins - np.array(run.clock.ends[warmup - 1 : -1])  # fetching the batch, mostly
+    computes = ends - begins
+    step = float(np.mean(waits + computes))
+    return TrainerLoaderResult(
+        num_workers=num_workers,
+        loader_workers=getattr(run.loader, "num_workers", None),
+        pin_memory_arg=run.args.dataloader_pin_memory,
+        loader_pin_memory=getattr(run.loader, "pin_memory", None),
+        step_time=step,
+        t_data=statistics.fmean(run.collates[warmup:]),
+        t_model=float(np.mean(computes)),
+        wait_fraction=float(waits.sum() / (waits.sum() + computes.sum())),
+        samples_per_s=batch_size / step,
+        train_samples_per_second=run.metrics["train_samples_per_second"],
+    )
 
 
 def copy_comparison(hosts: dict[str, torch.Tensor], device: str, claims=(), **rounds):
@@ -710,6 +784,7 @@ def host_held(device: str, pinned: bool, non_blocking: bool, nbytes: int, busy_s
     host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
     def queue_work():
+        """Queue the matmuls that keep the GPU busy for about ``busy_s``."""
         for _ in range(n_mm):
             a @ a
 
@@ -727,10 +802,23 @@ def host_held(device: str, pinned: bool, non_blocking: bool, nbytes: int, busy_s
     return busy, held, time.perf_counter() - start
 
 
-def pin_report(device: str | None = None, nbytes: int = 64 * MiB, claims=()) -> dict:
+@dataclass
+class PinMemoryResult:
+    """What ``pin_memory=True`` does on this machine (``pin_report``); copies on CUDA only."""
+
+    warnings: list[str]  # what DataLoader(pin_memory=True) warned
+    batch_pinned: bool  # whether its batch came back in pinned memory
+    batch_bytes: int  # bytes of one batch of token ids
+    copies: object = None  # helpers.timing.Comparison: pageable and pinned copies in turns
+    nbytes: int | None = None  # bytes of each copied host buffer
+    # (pinned, non_blocking) -> (GPU busy, Python held, total) seconds (``host_held``)
+    held: dict[tuple[bool, bool], tuple[float, float, float]] | None = None
+
+
+def pin_report(device: str | None = None, nbytes: int = 64 * MiB, claims=()) -> PinMemoryResult:
     """What pin_memory=True does here: DataLoader's warning, pinned batches, copy speeds.
 
-    On CUDA, "copies" compares a pageable and a pinned host buffer copied in turns.
+    On CUDA, ``copies`` compares a pageable and a pinned host buffer copied in turns.
     """
     import warnings
 
@@ -739,19 +827,19 @@ def pin_report(device: str | None = None, nbytes: int = 64 * MiB, claims=()) -> 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         batch = next(iter(make_loader(docs, 4, 64, pin_memory=True)))
-    report = {
-        "warnings": [str(w.message) for w in caught],
-        "batch_pinned": batch["input_ids"].is_pinned(),
-        "batch_bytes": sum(t.numel() * t.element_size() for t in batch.values()),
-    }
+    report = PinMemoryResult(
+        warnings=[str(w.message) for w in caught],
+        batch_pinned=batch["input_ids"].is_pinned(),
+        batch_bytes=sum(t.numel() * t.element_size() for t in batch.values()),
+    )
     if dev.type == "cuda":
         hosts = {
             "pageable": torch.ones(nbytes, dtype=torch.uint8),
             "pinned": torch.ones(nbytes, dtype=torch.uint8, pin_memory=True),
         }
-        report["copies"] = copy_comparison(hosts, str(dev), claims)
-        report["nbytes"] = nbytes
-        report["held"] = {
+        report.copies = copy_comparison(hosts, str(dev), claims)
+        report.nbytes = nbytes
+        report.held = {
             (pinned, nb): host_held(str(dev), pinned, nb, nbytes)
             for pinned, nb in ((False, False), (True, False), (True, True))
         }
@@ -759,7 +847,7 @@ def pin_report(device: str | None = None, nbytes: int = 64 * MiB, claims=()) -> 
 
 
 def starvation_figure(
-    runs: dict[str, LoopResult],
+    runs: dict[str, LoaderResult],
     prior: dict | None = None,
     title: str = "",
     rates: dict | None = None,
@@ -780,9 +868,9 @@ def starvation_figure(
     left.set_ylabel("ms per training step")
     left.tick_params(axis="x", labelrotation=20)
     left.legend(fontsize="small")
-    rs = sorted(runs.values(), key=lambda r: r.spec.num_workers)
-    xs = [r.spec.num_workers for r in rs]
-    batch = rs[0].spec.batch_size
+    rs = sorted(runs.values(), key=lambda r: r.config.num_workers)
+    xs = [r.config.num_workers for r in rs]
+    batch = rs[0].config.batch_size
     if rates:
         label_of = {id(r): label for label, r in runs.items()}
         ranked = [rates[label_of[id(r)]] for r in rs]  # (median, slowest, fastest)
@@ -808,21 +896,23 @@ def starvation_figure(
     return fig
 
 
-def loop_record(result: LoopResult, device: dict, label: str):
+def loop_record(result: LoaderResult, device: dict, label: str):
     """A loop's measurement as a course ``Record`` (for ``helpers.results.save``)."""
     from helpers.results import Record
 
-    s = result.spec
+    cfg = result.config
     config = {
         "label": label,
-        "model": s.model,
-        "batch_size": s.batch_size,
-        "seq_len": s.seq_len,
-        "num_workers": s.num_workers,
-        "tokenizer": s.tokenizer,
-        "pin_memory": s.pin_memory,
-        "words_per_doc": s.words_per_doc,
-        "threads": s.threads,
+        "model": cfg.model,
+        "batch_size": cfg.batch_size,
+        "seq_len": cfg.seq_len,
+        "num_workers": cfg.num_workers,
+        "tokenizer": cfg.tokenizer,
+        "pin_memory": cfg.pin_memory,
+        "words_per_doc": cfg.words_per_doc,
+        "threads": cfg.threads,
+    }
+    extra = {
         "t_data": result.t_data,
         "t_model": result.t_model,
         "predicted_step": result.predicted,
@@ -835,5 +925,6 @@ def loop_record(result: LoopResult, device: dict, label: str):
         step_time=result.step_time,
         step_times=[w + c for w, c in zip(result.waits, result.computes, strict=True)],
         samples_per_s=result.samples_per_s,
-        tokens_per_s=result.samples_per_s * s.seq_len,
+        tokens_per_s=result.samples_per_s * cfg.seq_len,
+        extra=extra,
     )
