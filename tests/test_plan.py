@@ -124,7 +124,7 @@ def test_plan_refuses_a_device_that_is_not_here():
         ["--frobnicate", "3"],  # unknown option
     ],
 )
-def test_cli_plan_bad_input_is_one_line_and_exit_2(args, capsys):
+def test_cli_plan_bad_input_is_one_line_and_exit_2(args, cli_refuses):
     base = {"--model": MODEL, "--budget": "12MiB", "--effective-batch": "8", "--seq-len": "64"}
     extra = []
     for flag, value in zip(args[::2], args[1::2], strict=True):
@@ -133,13 +133,7 @@ def test_cli_plan_bad_input_is_one_line_and_exit_2(args, capsys):
         else:
             extra += [flag, value]
     argv = ["plan", "--device", "cpu"] + [x for kv in base.items() for x in kv] + extra
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    assert code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ")
+    cli_refuses(argv)
 
 
 def test_cli_plan_json(capsys):
