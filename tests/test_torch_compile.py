@@ -13,6 +13,7 @@ import torch
 from helpers.lessons import torch_compile as compiling
 from helpers.lessons.torch_compile import (
     GraphRecorder,
+    StepProfileConfig,
     break_even_steps,
     count_compiles,
     dynamo_summary,
@@ -122,8 +123,8 @@ def test_dynamo_summary_counts_since_reset():
         f(torch.ones(3))
     summary = dynamo_summary()
     reset_dynamo()
-    assert summary["graphs"] == 2 and summary["graph_breaks"] == 1
-    assert dynamo_summary()["graphs"] == 0
+    assert summary.graphs == 2 and summary.graph_breaks == 1
+    assert dynamo_summary().graphs == 0
 
 
 def test_generated_kernels_parses_output_code():
@@ -139,8 +140,8 @@ def test_generated_kernels_parses_output_code():
         "        extern_kernels.addmm(a, buf2, c, out=buf3)\n"
     )
     found = generated_kernels(code)
-    assert found["kernels"] == ["cpp_fused_add_mul_pow_tanh_0", "triton_poi_fused_add_1"]
-    assert found["extern"] == {"addmm": 2, "mm": 1}
+    assert found.kernels == ["cpp_fused_add_mul_pow_tanh_0", "triton_poi_fused_add_1"]
+    assert found.extern == {"addmm": 2, "mm": 1}
 
 
 def test_break_even_steps():
@@ -160,18 +161,19 @@ def test_mlp_stack_is_seeded_and_returns_a_scalar_loss():
 def test_step_profile_with_aot_eager(monkeypatch):
     # prepare_compiler runs inductor once per process; not needed for aot_eager.
     monkeypatch.setattr(compiling, "prepare_compiler", lambda device="cpu": 0.0)
-    out = step_profile(
+    config = StepProfileConfig(
         backends=("aot_eager",), hidden=8, intermediate=32, n_blocks=1, rows=16, warmup=1, repeats=3
     )
-    assert set(out["first_s"]) == {"eager", "aot_eager"}
-    assert {k: len(v) for k, v in out["times"].items()} == {"eager": 3, "aot_eager": 3}
+    out = step_profile(config)
+    assert set(out.first_s) == {"eager", "aot_eager"}
+    assert {k: len(v) for k, v in out.times.items()} == {"eager": 3, "aot_eager": 3}
     # aot_eager runs the same ATen operations as eager: the same loss and gradients.
-    assert out["loss"]["aot_eager"] == out["loss"]["eager"]
-    assert max(out["grad_error"]["aot_eager"]) == 0.0
-    assert (out["graphs"], out["graph_breaks"]) == (1, 0)
+    assert out.loss["aot_eager"] == out.loss["eager"]
+    assert max(out.grad_error["aot_eager"]) == 0.0
+    assert (out.counters.graphs, out.counters.graph_breaks) == (1, 0)
     # Matmuls of 16x8x32 (2*16*8*32 FLOPs each): 2 forward; backward, both weight gradients
     # and the input gradient of the second linear (the input x needs none).
-    assert out["flops"] == 5 * (2 * 16 * 8 * 32)
+    assert out.flops == 5 * (2 * 16 * 8 * 32)
     reset_dynamo()
 
 
@@ -184,5 +186,5 @@ def test_fusion_profile_adds_rounds_at_the_largest_size_while_a_claim_is_undecid
     out = compiling.fusion_profile(
         [2**8, 2**10], repeats=3, max_repeats=7, per_round=1, claims=[claim], prepare=False
     )
-    assert [len(r["aten"]) for r in out["rounds"]] == [3, 7]
-    assert out["graphs"] == 1 and out["max_error"] <= 1e-5
+    assert [len(r["aten"]) for r in out.rounds] == [3, 7]
+    assert out.graphs == 1 and out.max_error <= 1e-5

@@ -25,6 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from helpers.train import train_step
 
 # -------------------------------------------------------------------------------------------
 # Seeing what dynamo captures
@@ -105,27 +109,36 @@ def reset_dynamo() -> None:
     counters.clear()
 
 
-def dynamo_summary() -> dict:
+@dataclass
+class DynamoSummaryResult:
+    """What dynamo did since the last ``reset_dynamo``, in numbers."""
+
+    graphs: int  # distinct graphs compiled
+    graph_breaks: int  # graph breaks met while capturing
+    recompile_reasons: list[str] = field(default_factory=list)  # one per failed guard
+
+
+def dynamo_summary() -> DynamoSummaryResult:
     """Graphs compiled, graph breaks and recompile reasons since the last ``reset_dynamo``."""
     from torch._dynamo.utils import counters, guard_failures
 
-    return {
-        "graphs": counters["stats"]["unique_graphs"],
-        "graph_breaks": sum(counters["graph_break"].values()),
-        "recompile_reasons": [short_reason(r) for rs in guard_failures.values() for r in rs],
-    }
+    return DynamoSummaryResult(
+        graphs=counters["stats"]["unique_graphs"],
+        graph_breaks=sum(counters["graph_break"].values()),
+        recompile_reasons=[short_reason(r) for rs in guard_failures.values() for r in rs],
+    )
 
 
 @dataclass
-class Compiles:
+class CompilesResult:
     """What dynamo did over a sequence of calls: the graphs, breaks and recompile reasons."""
 
-    graphs: list[torch.fx.GraphModule] = field(default_factory=list)
-    graph_breaks: int = 0
-    recompile_reasons: list[str] = field(default_factory=list)
+    graphs: list[torch.fx.GraphModule] = field(default_factory=list)  # as the backend got them
+    graph_breaks: int = 0  # graph breaks met while capturing
+    recompile_reasons: list[str] = field(default_factory=list)  # one per failed guard
 
 
-def count_compiles(fn: Callable, calls: Sequence[tuple | dict], **compile_kwargs) -> Compiles:
+def count_compiles(fn: Callable, calls: Sequence[tuple | dict], **compile_kwargs) -> CompilesResult:
     """Compile ``fn`` with a GraphRecorder and call it once per entry of ``calls``.
 
     An entry is a tuple of positional arguments or a dict of keyword arguments.
@@ -138,7 +151,7 @@ def count_compiles(fn: Callable, calls: Sequence[tuple | dict], **compile_kwargs
             compiled(**args) if isinstance(args, dict) else compiled(*args)
     summary = dynamo_summary()
     reset_dynamo()
-    return Compiles(recorder.graphs, summary["graph_breaks"], summary["recompile_reasons"])
+    return CompilesResult(recorder.graphs, summary.graph_breaks, summary.recompile_reasons)
 
 
 # -------------------------------------------------------------------------------------------
@@ -163,15 +176,19 @@ def prepare_compiler(device: torch.device | str = "cpu") -> float:
     return time.perf_counter() - start
 
 
-def generated_kernels(code: str) -> dict:
-    """Kernels inductor generated in one output-code module, and the library calls it makes.
+@dataclass
+class KernelsResult:
+    """What inductor generated in one output-code module (a forward or a backward graph)."""
 
-    ``kernels``: names of the generated C++ (CPU) or Triton (GPU) kernels, named after the
-    operations fused into them; ``extern``: how often each library kernel (matmuls) is called.
-    """
+    kernels: list[str]  # generated C++ (CPU) or Triton (GPU) kernels, named after what they fuse
+    extern: dict[str, int]  # library kernel (matmuls: addmm, mm, ...) -> calls
+
+
+def generated_kernels(code: str) -> KernelsResult:
+    """Kernels inductor generated in one output-code module, and the library calls it makes."""
     kernels = re.findall(r"^(\w+) = async_compile\.\w+\(", code, flags=re.M)
     extern = Counter(re.findall(r"extern_kernels\.(\w+)\(", code))
-    return {"kernels": kernels, "extern": dict(extern)}
+    return KernelsResult(kernels, dict(extern))
 
 
 # -------------------------------------------------------------------------------------------
@@ -190,26 +207,44 @@ def gelu_tanh_aten(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x, approximate="tanh")
 
 
+class _TrafficCount(TorchDispatchMode):
+    """Counts the ATen operators run under it and the bytes of their tensor inputs and outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = tree_leaves((args, kwargs, out))
+        self.ops += 1
+        self.bytes += sum(
+            t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)
+        )
+        return out
+
+
 def eager_traffic(fn: Callable, *args) -> tuple[int, int]:
     """(operators run, bytes of their tensor inputs and outputs) when ``fn(*args)`` runs eagerly."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    tally = {"ops": 0, "bytes": 0}
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            leaves = tree_leaves((args, kwargs, out))
-            tally["ops"] += 1
-            tally["bytes"] += sum(
-                t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)
-            )
-            return out
-
-    with Count():
+    with _TrafficCount() as count:
         fn(*args)
-    return tally["ops"], tally["bytes"]
+    return count.ops, count.bytes
+
+
+@dataclass
+class FusionProfileResult:
+    """What ``fusion_profile`` measured of gelu_new, size by size."""
+
+    sizes: list[int]  # elements of each input, in the order timed
+    compile_s: float  # seconds of the compiled version's first call: the compilation
+    # "eager" | "compiled" | "aten" -> median seconds per call at each size
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    # per size: {"eager" | "compiled" | "aten": seconds of each round}, the three in turns
+    rounds: list[dict[str, list[float]]] = field(default_factory=list)
+    max_error: float = 0.0  # largest |compiled - eager| over all sizes
+    max_abs: float = 0.0  # largest |eager output| over all sizes
+    graphs: int = 0  # graphs dynamo compiled over all sizes
 
 
 def fusion_profile(
@@ -222,22 +257,19 @@ def fusion_profile(
     claims=(),
     max_repeats: int = 30,
     per_round: int = 3,
-) -> dict:
+) -> FusionProfileResult:
     """Seconds per call of gelu_new: eager, compiled once with dynamic shapes, ATen's kernel.
 
     At each size the three are timed in turns (``helpers.timing.compare_calls``, ``repeats``
-    rounds of ``per_round`` calls each; key ``"rounds"`` keeps each size's per-round seconds);
+    rounds of ``per_round`` calls each; ``rounds`` keeps each size's per-round seconds);
     at the largest size rounds are added, up to ``max_repeats``, while one of ``claims`` is
     undecided (one call there lasts milliseconds, within reach of a scheduler's hiccup). Also
-    the first call's
-    seconds (the compilation), the number of graphs compiled over all sizes, and the largest
-    deviation of the compiled output from eager. For a fresh process; ``prepare=False`` when
-    ``prepare_compiler`` already ran in it.
+    the first call's seconds (the compilation), the number of graphs compiled over all sizes,
+    and the largest deviation of the compiled output from eager. For a fresh process;
+    ``prepare=False`` when ``prepare_compiler`` already ran in it.
     """
-    from torch._dynamo.utils import counters
-
     from helpers.device import resolve
-    from helpers.timing import compare_calls, synchronize
+    from helpers.timing import compare_calls
 
     dev = resolve(device)
     if prepare:
@@ -248,21 +280,14 @@ def fusion_profile(
     compiled = torch.compile(gelu_new, dynamic=True)
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(n, generator=g).to(dev) for n in sizes]
+    fns = {"eager": gelu_new, "compiled": compiled, "aten": gelu_tanh_aten}
     with quiet_dynamo():
-        start = time.perf_counter()
-        compiled(xs[0])
-        synchronize(dev)
-        out: dict = {"sizes": list(sizes), "compile_s": time.perf_counter() - start}
-        fns = {"eager": gelu_new, "compiled": compiled, "aten": gelu_tanh_aten}
-        for name in fns:
-            out[name] = []
-        out["max_error"], out["max_abs"] = 0.0, 0.0
-        out["rounds"] = []  # per size: {name: seconds per round}, the three in turns
+        out = FusionProfileResult(list(sizes), _first_call_s(compiled, xs[0], dev))
+        out.seconds = {name: [] for name in fns}
         for i, x in enumerate(xs):
-            calls = {name: (lambda f=fn, x=x: f(x)) for name, fn in fns.items()}
             last = i == len(xs) - 1
             turns = compare_calls(
-                calls,
+                {name: (lambda f=fn, x=x: f(x)) for name, fn in fns.items()},
                 dev,
                 warmup=warmup,
                 per_round=per_round,
@@ -270,14 +295,29 @@ def fusion_profile(
                 max_rounds=max_repeats if last else repeats,
                 claims=claims if last else (),
             )
-            out["rounds"].append(turns.times)
-            for name in fns:
-                out[name].append(turns.median(name))
-            ref = gelu_new(x)
-            out["max_error"] = max(out["max_error"], (compiled(x) - ref).abs().max().item())
-            out["max_abs"] = max(out["max_abs"], ref.abs().max().item())
-    out["graphs"] = counters["stats"]["unique_graphs"]
+            _add_size(out, turns, compiled, x)
+    out.graphs = dynamo_summary().graphs
     return out
+
+
+def _first_call_s(fn: Callable, x: torch.Tensor, device: torch.device) -> float:
+    """Seconds of ``fn(x)`` up to the device's having finished it (a first call compiles)."""
+    from helpers.timing import synchronize
+
+    start = time.perf_counter()
+    fn(x)
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def _add_size(out: FusionProfileResult, turns, compiled: Callable, x: torch.Tensor) -> None:
+    """Add one size's rounds and medians to ``out``, and the compiled output's deviation."""
+    out.rounds.append(turns.times)
+    for name in out.seconds:
+        out.seconds[name].append(turns.median(name))
+    ref = gelu_new(x)
+    out.max_error = max(out.max_error, (compiled(x) - ref).abs().max().item())
+    out.max_abs = max(out.max_abs, ref.abs().max().item())
 
 
 # -------------------------------------------------------------------------------------------
@@ -318,114 +358,227 @@ def mlp_stack(hidden: int, intermediate: int, n_blocks: int, seed: int = 0, devi
     return model.to(device)
 
 
-def step_profile(
-    backends: Sequence[str] = ("inductor",),
-    hidden: int = 128,
-    intermediate: int = 512,
-    n_blocks: int = 2,
-    rows: int = 256,
-    device: str | None = None,
-    warmup: int = 2,
-    repeats: int = 20,
-    cache_dir: str | None = None,
-    mode: str | None = None,
-    seed: int = 0,
-    output_code: bool = False,
-    warm_rerun: bool = False,
-) -> dict:
+@dataclass
+class StepProfileConfig:
+    """One ``step_profile`` run: the MLPStack's sizes, the compiled copies and the timing."""
+
+    backends: Sequence[str] = ("inductor",)  # one compiled copy per backend, next to eager
+    hidden: int = 128  # the blocks' width (input and output features)
+    intermediate: int = 512  # the MLP's inner width
+    n_blocks: int = 2  # MLPBlocks stacked
+    rows: int = 256  # rows of the input (batch x sequence)
+    device: str | None = None  # None: helpers.device.default_device()
+    warmup: int = 2  # untimed steps of each copy before the timed ones
+    repeats: int = 20  # timed steps of each copy, the copies in rotating order
+    cache_dir: str | None = None  # inductor's on-disk cache folder; None: as already set
+    mode: str | None = None  # torch.compile's mode for inductor, e.g. "reduce-overhead"
+    seed: int = 0  # seeds the weights and the input
+    output_code: bool = False  # keep what inductor generated for its first step (``code``)
+    warm_rerun: bool = False  # then compile a new inductor copy with only the disk cache left
+
+
+@dataclass
+class CacheCountsResult:
+    """Lookups in one of the compiler's caches since the last ``reset_dynamo``."""
+
+    hit: int  # graphs found compiled in the cache
+    miss: int  # graphs compiled anew (and then stored)
+
+
+@dataclass
+class CompileCountersResult:
+    """Dynamo's graphs and breaks and the on-disk caches' lookups since ``reset_dynamo``."""
+
+    graphs: int  # distinct graphs compiled
+    graph_breaks: int  # graph breaks met while capturing
+    fxgraph_cache: CacheCountsResult  # inductor's cache of compiled graphs
+    autograd_cache: CacheCountsResult  # AOTAutograd's cache of forward-backward pairs
+
+
+@dataclass
+class StepProfileResult:
+    """What ``step_profile`` measured; copies are "eager", each backend, "inductor, warm"."""
+
+    prepare_s: float  # prepare_compiler's once-per-process seconds, kept out of the rest
+    rows: int  # rows of the input of every step
+    first_s: dict[str, float]  # copy -> seconds of its first step (compilation included)
+    times: dict[str, list[float]]  # copy -> seconds of each timed steady-state step
+    counters: CompileCountersResult  # after the first phase (every backend's copy)
+    loss: dict[str, float]  # copy -> loss of its first step
+    grad_error: dict[str, list[float]]  # compiled copy -> max |grad - eager's| per tensor
+    grad_max: list[float]  # max |eager's grad| per tensor
+    flops: int  # FLOPs of one training step (FlopCounterMode, on the eager copy)
+    code: list[KernelsResult] = field(default_factory=list)  # inductor's forward, backward
+    # with warm_rerun: "eager" and "inductor, warm" -> seconds of each timed step, in turns
+    warm_times: dict[str, list[float]] = field(default_factory=dict)
+    warm: CompileCountersResult | None = None  # with warm_rerun: the warm copy's counters
+
+
+def _own_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The loss of a model that returns its own (MLPStack's stand-in loss)."""
+    return model(x)
+
+
+@dataclass
+class _Copies:
+    """The copies of an MLPStack that ``step_profile`` trains side by side, on one input."""
+
+    x: torch.Tensor  # the input of every step
+    plain: dict[str, nn.Module] = field(default_factory=dict)  # copy -> its (eager) module
+    models: dict[str, nn.Module] = field(default_factory=dict)  # copy -> what a step calls
+    optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
+    losses: dict[str, float] = field(default_factory=dict)  # copy -> its kept step's loss
+    grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # kept step's gradients
+
+    def add(self, name: str, plain: nn.Module, model: nn.Module | None = None) -> None:
+        """Add copy ``name``: module ``plain``, called through ``model`` (compiled) if given."""
+        self.plain[name] = plain
+        self.models[name] = plain if model is None else model
+        self.optimizers[name] = torch.optim.AdamW(plain.parameters())
+
+    def step(self, name: str, keep: bool = False) -> None:
+        """The base training step of copy ``name``; ``keep``: keep its loss and gradients."""
+        on_gradients = (lambda: self._keep_gradients(name)) if keep else None
+        loss = train_step(
+            self.models[name], self.optimizers[name], [self.x],
+            loss_of=_own_loss, on_gradients=on_gradients,
+        )  # fmt: skip
+        if keep:
+            self.losses[name] = loss.item()
+
+    def _keep_gradients(self, name: str) -> None:
+        """Copy the gradients of copy ``name`` before the optimizer step uses them."""
+        self.grads[name] = [p.grad.detach().clone() for p in self.plain[name].parameters()]
+
+
+def step_profile(config: StepProfileConfig) -> StepProfileResult:
     """First and steady-state training-step seconds of an MLPStack, eager and compiled.
 
-    One copy per entry of ``backends`` is compiled (``mode`` applies to inductor), next to an
-    eager copy from the same seed. The first step of each is timed alone: for a compiled copy
-    it includes compiling forward and backward. Their losses and gradients of that step are
-    kept for comparison; then all copies train in rotating order so that drift in the
-    machine's speed weighs on each alike. With ``warm_rerun`` a new inductor copy is then
-    compiled after clearing every in-memory compiler cache, so that only inductor's disk
-    cache carries over (key ``"inductor, warm"``). For a fresh process.
+    One copy per entry of ``config.backends`` is compiled (``mode`` applies to inductor),
+    next to an eager copy from the same seed. The first step of each is timed alone: for a
+    compiled copy it includes compiling forward and backward. Their losses and gradients of
+    that step are kept for comparison; then all copies train in rotating order so that drift
+    in the machine's speed weighs on each alike. With ``warm_rerun`` a new inductor copy is
+    then compiled after clearing every in-memory compiler cache, so that only inductor's disk
+    cache carries over (copy ``"inductor, warm"``). For a fresh process.
     """
     from helpers.device import resolve
-    from helpers.timing import time_once, train_flops
+    from helpers.timing import train_flops
 
-    dev = resolve(device)
-    out: dict = {"prepare_s": prepare_compiler(dev), "rows": rows, "first_s": {}, "code": []}
-    if cache_dir:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    eager = mlp_stack(hidden, intermediate, n_blocks, seed, dev)
-    plain = {"eager": eager, **{b: copy.deepcopy(eager) for b in backends}}
-    models = {"eager": eager}
-    for b in sorted(backends, key=lambda b: b != "inductor"):  # run_and_get_code resets dynamo
-        models[b] = torch.compile(plain[b], backend=b, mode=mode if b == "inductor" else None)
-    optims = {name: torch.optim.AdamW(m.parameters()) for name, m in plain.items()}
-    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(seed)).to(dev)
-    out["loss"], grads = {}, {}
-
-    def step(name: str, keep: bool = False) -> None:
-        loss = models[name](x)
-        loss.backward()
-        if keep:
-            out["loss"][name] = loss.item()
-            grads[name] = [p.grad.detach().clone() for p in plain[name].parameters()]
-        optims[name].step()
-        optims[name].zero_grad(set_to_none=True)
-
-    def first_steps(names: Sequence[str]) -> None:
-        for name in names:
-            if output_code and name == "inductor":
-                from torch._inductor.utils import run_and_get_code
-
-                start = time.perf_counter()
-                _, codes = run_and_get_code(step, name, True)
-                out["first_s"][name] = time.perf_counter() - start
-                out["code"] = [generated_kernels(c) for c in codes]
-            else:
-                out["first_s"][name] = time_once(lambda n=name: step(n, keep=True), dev)
-
-    def steady(names: Sequence[str], times: dict) -> None:
-        for _ in range(warmup):
-            for name in names:
-                step(name)
-        for i in range(repeats):
-            for name in names[i % len(names) :] + names[: i % len(names)]:
-                times.setdefault(name, []).append(time_once(lambda n=name: step(n), dev))
-
+    dev = resolve(config.device)
+    prepare_s = prepare_compiler(dev)
+    if config.cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = config.cache_dir
+    copies = _build_copies(config, dev)
+    warm_times, warm = {}, None
     with quiet_dynamo():
-        first_steps(list(models))
-        out["times"] = {}
-        steady(list(models), out["times"])
-        out.update(_compile_counters())
-        if warm_rerun:
-            from torch._inductor.utils import clear_caches
+        first_s, code = _first_steps(copies, list(copies.models), config.output_code, dev)
+        times = _steady_steps(copies, list(copies.models), config, dev)
+        counters = _compile_counters()
+        if config.warm_rerun:
+            warm_first_s, warm_times, warm = _warm_rerun(copies, config, dev)
+            first_s.update(warm_first_s)
+    flops = train_flops(lambda: copies.step("eager"))
+    grad_error, grad_max = _gradient_errors(copies.grads)
+    return StepProfileResult(
+        prepare_s, config.rows, first_s, times, counters, copies.losses, grad_error, grad_max,
+        flops, code, warm_times, warm,
+    )  # fmt: skip
 
-            reset_dynamo()
-            clear_caches()  # inductor's in-memory caches: only the disk cache is left
-            plain["inductor, warm"] = mlp_stack(hidden, intermediate, n_blocks, seed, dev)
-            models["inductor, warm"] = torch.compile(plain["inductor, warm"], mode=mode)
-            optims["inductor, warm"] = torch.optim.AdamW(plain["inductor, warm"].parameters())
-            first_steps(["inductor, warm"])
-            steady(["eager", "inductor, warm"], out.setdefault("warm_times", {}))
-            out["warm"] = _compile_counters()
-    out["flops"] = train_flops(lambda: step("eager"))
-    out["grad_error"] = {
+
+def _build_copies(config: StepProfileConfig, device: torch.device) -> _Copies:
+    """The eager copy, one compiled copy per backend from the same weights, and the input."""
+    c = config
+    eager = mlp_stack(c.hidden, c.intermediate, c.n_blocks, c.seed, device)
+    x = torch.randn(c.rows, c.hidden, generator=torch.Generator().manual_seed(c.seed))
+    copies = _Copies(x.to(device))
+    copies.add("eager", eager)
+    plain = {b: copy.deepcopy(eager) for b in c.backends}
+    for b in sorted(c.backends, key=lambda b: b != "inductor"):  # run_and_get_code resets dynamo
+        mode = c.mode if b == "inductor" else None
+        copies.add(b, plain[b], torch.compile(plain[b], backend=b, mode=mode))
+    return copies
+
+
+def _first_steps(
+    copies: _Copies, names: Sequence[str], output_code: bool, device: torch.device
+) -> tuple[dict[str, float], list[KernelsResult]]:
+    """Each copy's first step timed alone, loss and gradients kept; and inductor's kernels."""
+    from helpers.timing import time_once
+
+    first_s: dict[str, float] = {}
+    code: list[KernelsResult] = []
+    for name in names:
+        if output_code and name == "inductor":
+            from torch._inductor.utils import run_and_get_code
+
+            start = time.perf_counter()
+            _, codes = run_and_get_code(copies.step, name, True)
+            first_s[name] = time.perf_counter() - start
+            code = [generated_kernels(c) for c in codes]
+        else:
+            first_s[name] = time_once(lambda n=name: copies.step(n, keep=True), device)
+    return first_s, code
+
+
+def _steady_steps(
+    copies: _Copies, names: Sequence[str], config: StepProfileConfig, device: torch.device
+) -> dict[str, list[float]]:
+    """``warmup`` untimed steps of each copy, then ``repeats`` timed rounds in rotating order."""
+    from helpers.timing import time_once
+
+    for _ in range(config.warmup):
+        for name in names:
+            copies.step(name)
+    times: dict[str, list[float]] = {}
+    for i in range(config.repeats):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            times.setdefault(name, []).append(time_once(lambda n=name: copies.step(n), device))
+    return times
+
+
+def _warm_rerun(
+    copies: _Copies, config: StepProfileConfig, device: torch.device
+) -> tuple[dict[str, float], dict[str, list[float]], CompileCountersResult]:
+    """A new inductor copy with only the disk cache left: first step, steady steps, counters."""
+    from torch._inductor.utils import clear_caches
+
+    c = config
+    reset_dynamo()
+    clear_caches()  # inductor's in-memory caches: only the disk cache is left
+    fresh = mlp_stack(c.hidden, c.intermediate, c.n_blocks, c.seed, device)
+    copies.add("inductor, warm", fresh, torch.compile(fresh, mode=c.mode))
+    first_s, _ = _first_steps(copies, ["inductor, warm"], c.output_code, device)
+    times = _steady_steps(copies, ["eager", "inductor, warm"], c, device)
+    return first_s, times, _compile_counters()
+
+
+def _gradient_errors(grads: dict[str, list[torch.Tensor]]) -> tuple[dict, list[float]]:
+    """Per compiled copy, max |grad - eager's| per tensor; and max |eager's grad| per tensor."""
+    errors = {
         b: [(g - r).abs().max().item() for g, r in zip(grads[b], grads["eager"], strict=True)]
         for b in grads
         if b != "eager"
     }
-    out["grad_max"] = [r.abs().max().item() for r in grads["eager"]]
-    return out
+    return errors, [r.abs().max().item() for r in grads["eager"]]
 
 
-def _compile_counters() -> dict:
+def _compile_counters() -> CompileCountersResult:
+    """Dynamo's graphs and breaks, and the caches' hits and misses, since ``reset_dynamo``."""
     from torch._dynamo.utils import counters
 
     summary = dynamo_summary()
-    return {
-        "graphs": summary["graphs"],
-        "graph_breaks": summary["graph_breaks"],
-        "fxgraph_cache": {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss")},
-        "autograd_cache": {
-            k: counters["aot_autograd"][f"autograd_cache_{k}"] for k in ("hit", "miss")
-        },
-    }
+    return CompileCountersResult(
+        graphs=summary.graphs,
+        graph_breaks=summary.graph_breaks,
+        fxgraph_cache=CacheCountsResult(
+            counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+        ),
+        autograd_cache=CacheCountsResult(
+            counters["aot_autograd"]["autograd_cache_hit"],
+            counters["aot_autograd"]["autograd_cache_miss"],
+        ),
+    )
 
 
 def profiles(calls: Sequence[tuple[Callable, dict]]) -> list:
