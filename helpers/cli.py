@@ -374,30 +374,19 @@ def _device_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the accelerator)")
 
 
-# Each command: its help line, what runs it, and its arguments (None: none).
+# Each command: what runs it, its arguments (None: none), and its help line.
 COMMANDS = {
-    "measure": ("train a few steps here and report bytes per category", _measure, _run_arguments),
-    "estimate": (  # the same arguments as measure; --warmup/--repeats/--save are unused
-        "predict measure's bytes per category without training or weights",
-        _estimate,
-        _run_arguments,
-    ),
-    "plan": ("fastest configuration that fits a memory budget", _plan, _plan_arguments),
-    "summary": ("print the table of recorded experiments", _summary, _results_argument),
-    "capstone": (
-        "print lesson 14's ablation table next to the seed's",
-        _capstone,
-        _results_argument,
-    ),
-    "fit": ("what the full scale runs on this GPU, lesson by lesson", _fit, _fit_argument),
-    "claims": ("how the lessons' speed claims came out", _claims, _claims_argument),
-    "preflight": (
-        "try every hardware feature the lessons use, here",
-        _preflight,
-        _device_argument,
-    ),
-    "hardware": ("print the hardware report", _hardware, None),
-    "doctor": ("check the course's packages", _doctor, None),
+    "measure": (_measure, _run_arguments, "train a few steps here, report bytes per category"),
+    # estimate takes measure's arguments; --warmup/--repeats/--save are unused there
+    "estimate": (_estimate, _run_arguments, "predict measure's bytes without weights"),
+    "plan": (_plan, _plan_arguments, "fastest configuration that fits a memory budget"),
+    "summary": (_summary, _results_argument, "print the table of recorded experiments"),
+    "capstone": (_capstone, _results_argument, "lesson 14's ablation next to the guide's V100 run"),
+    "fit": (_fit, _fit_argument, "what the full scale runs on this GPU, lesson by lesson"),
+    "claims": (_claims, _claims_argument, "how the lessons' speed claims came out"),
+    "preflight": (_preflight, _device_argument, "try every hardware feature the lessons use"),
+    "hardware": (_hardware, None, "print the hardware report"),
+    "doctor": (_doctor, None, "check the course's packages"),
 }
 
 
@@ -405,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m helpers``."""
     parser = _Parser(prog="python -m helpers", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name, (help_line, run, arguments) in COMMANDS.items():
+    for name, (run, arguments, help_line) in COMMANDS.items():
         command = sub.add_parser(name, help=help_line)
         if arguments is not None:
             arguments(command)
