@@ -196,9 +196,9 @@ def _deepspeed(device: str) -> str:
 
     if importlib.util.find_spec("deepspeed") is None:
         return "skipped: deepspeed is not installed (pip install deepspeed)"
-    from helpers.lessons.deepspeed_zero import ZeroRun, measure_zero
+    from helpers.lessons.deepspeed_zero import ZeroConfig, measure_zero
 
-    rec = measure_zero(ZeroRun(model="llama-tiny", stage=3, warmup=1, repeats=1, device=device))
+    rec = measure_zero(ZeroConfig(model="llama-tiny", stage=3, warmup=1, repeats=1, device=device))
     return f"ZeRO-3 with parameter and optimizer offload to the CPU: {rec.step_time:.2f} s per step"
 
 

@@ -28,7 +28,8 @@ import socket
 import sys
 import time
 import types
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -63,7 +64,8 @@ _MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
 def one_process_env() -> dict[str, str]:
-    """The rendezvous variables of torch.distributed for a world of one process on this host."""
+    """The rendezvous variables of torch.distributed for a world of one process on this host
+    (a dict of environment variables, for ``os.environ.update``)."""
     with socket.socket() as s:  # a free port, so that runs never collide
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -85,6 +87,8 @@ def zero_config(
 ) -> dict:
     """A DeepSpeed config dict: ZeRO ``stage`` with the optimizer offloaded to the CPU, fp32.
 
+    It stays a dict: it is DeepSpeed's own format (the keys of its JSON config file), which
+    ``deepspeed.initialize(config=...)`` and ``TrainingArguments(deepspeed=...)`` take as is.
     Bucket sizes follow the Trainer's "auto" rule (hidden_size² elements), so they scale with
     the model. ``zero_force_ds_cpu_optimizer: False`` lets DeepSpeed step a client
     ``torch.optim.AdamW`` on the offloaded state instead of insisting on its compiled CPU Adam.
@@ -151,6 +155,7 @@ def _start_deepspeed(device: torch.device):
 
 
 def _stop_deepspeed() -> None:
+    """Destroy the process group DeepSpeed created, if any."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -186,13 +191,25 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
 
 
-def host_tensors(ds_optimizer, stage: int, offload_params: bool) -> dict[str, list]:
+@dataclass
+class HostTensorsResult:
+    """DeepSpeed's tensors on the offload device, by owner."""
+
+    buffers: list[torch.Tensor]  # its offload buffers (master weights, gradient partitions, ...)
+    optimizer_state: list[torch.Tensor]  # the wrapped torch optimizer's state (AdamW's moments)
+
+    def all_tensors(self) -> list[torch.Tensor]:
+        """Buffers and optimizer state together."""
+        return self.buffers + self.optimizer_state
+
+
+def host_tensors(ds_optimizer, stage: int, offload_params: bool) -> HostTensorsResult:
     """DeepSpeed's host-side tensors: its offload buffers and the wrapped optimizer's state."""
     names = HOST_BUFFERS[stage] + (HOST_PARAM_BUFFERS if offload_params else ())
     buffers = [t for n in names for t in _tensors(getattr(ds_optimizer, n, None))]
     inner = getattr(ds_optimizer, "optimizer", None)
     state = [t for s in getattr(inner, "state", {}).values() for t in _tensors(s)]
-    return {"buffers": buffers, "optimizer_state": state}
+    return HostTensorsResult(buffers=buffers, optimizer_state=state)
 
 
 def device_buffers(ds_optimizer) -> list[torch.Tensor]:
@@ -201,8 +218,14 @@ def device_buffers(ds_optimizer) -> list[torch.Tensor]:
 
 
 @dataclass
-class ZeroRun:
-    """One ZeRO-offload experiment: the model, the batch, and what is offloaded."""
+class ZeroConfig:
+    """One ZeRO-offload experiment: the model, the batch, and what is offloaded.
+
+    Its sizes are ``helpers.train.RunConfig``'s (``from_run`` copies them from one), but it is
+    not a RunConfig: DeepSpeed's stage, offload and pinning are its own, and the RunConfig
+    switches a ZeRO run does not honour (precision, optimizer, attention, accumulation,
+    checkpointing, data, FLOPs, LoRA) are left out rather than silently ignored.
+    """
 
     model: str | dict = "llama-tiny"
     stage: int = 3
@@ -221,6 +244,13 @@ class ZeroRun:
         """Plain dict for records and JSON."""
         return asdict(self)
 
+    @classmethod
+    def from_run(cls, run, **overrides) -> ZeroConfig:
+        """The ZeRO experiment of a plain ``RunConfig``: the fields they share, ``overrides`` on
+        top (``stage``, ``offload_params``, ...)."""
+        shared = {f.name: getattr(run, f.name) for f in fields(cls) if hasattr(run, f.name)}
+        return cls(**{**shared, **overrides})
+
 
 def _fetched_counter(module: torch.nn.Module):
     """Bytes of ZeRO-3 parameters gathered right now (DeepSpeed's status of each parameter)."""
@@ -230,27 +260,45 @@ def _fetched_counter(module: torch.nn.Module):
     params = [(p, p.ds_numel * p.element_size()) for p in module.parameters()]
 
     def fetched() -> int:
+        """Bytes of the parameters DeepSpeed has gathered or is gathering."""
         return sum(nbytes for p, nbytes in params if p.ds_status in on_device)
 
     return fetched
 
 
-def _engine(run: ZeroRun, device: torch.device):
-    """DeepSpeed's engine and ZeRO optimizer for ``run``, its batch on the device, its config
-    and the model's parameter count (taken before ZeRO-3 partitions the parameters away)."""
-    from helpers.data import random_batch
-    from helpers.models import build_model, count_params, load_config, task_kind
-    from helpers.train import make_optimizer
+def _cpu_model(run: ZeroConfig):
+    """``run``'s model config, its model built on the CPU (DeepSpeed moves or partitions it at
+    initialize), the parameter count (before ZeRO-3 partitions them away), its DeepSpeed config."""
+    from helpers.models import build_model, count_params, load_config
 
-    deepspeed = _start_deepspeed(device)
     config = load_config(run.model)
-    # Built on the CPU: DeepSpeed moves (ZeRO-2) or partitions (ZeRO-3) it at initialize.
     model = build_model(config, device="cpu", seed=run.seed)
-    n_params = count_params(model)
-    optimizer = make_optimizer("adamw", model)  # the same torch AdamW as the plain runs
     ds_config = zero_config(
         run.stage, config.hidden_size, run.batch_size, run.offload_params, run.pin_memory
     )
+    return config, model, count_params(model), ds_config
+
+
+@dataclass
+class _ZeroSetup:
+    """A run ready to train through DeepSpeed."""
+
+    engine: Any  # DeepSpeed's engine around the model
+    ds_optimizer: Any  # its ZeRO optimizer around the torch AdamW
+    batch: dict[str, torch.Tensor]  # the run's batch, on the engine's device
+    ds_config: dict  # the DeepSpeed config it was initialised with
+    n_params: int  # the model's parameters, counted before ZeRO-3 partitioned them
+
+
+def _engine(run: ZeroConfig, device: torch.device) -> _ZeroSetup:
+    """DeepSpeed's engine and ZeRO optimizer for ``run``, with its batch on the device."""
+    from helpers.data import random_batch
+    from helpers.models import task_kind
+    from helpers.train import make_optimizer
+
+    deepspeed = _start_deepspeed(device)
+    config, model, n_params, ds_config = _cpu_model(run)
+    optimizer = make_optimizer("adamw", model)  # the same torch AdamW as the plain runs
     engine, ds_optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config
     )
@@ -258,125 +306,184 @@ def _engine(run: ZeroRun, device: torch.device):
         task_kind(config), run.batch_size, run.seq_len, config.vocab_size, seed=run.seed
     )
     batch = {k: v.to(engine.device) for k, v in data.items()}
-    return engine, ds_optimizer, batch, ds_config, n_params
+    return _ZeroSetup(engine, ds_optimizer, batch, ds_config, n_params)
 
 
-def zero_step(run: ZeroRun):
-    """One DeepSpeed training step of ``run`` as a callable: a contender to time in a process
-    of its own (``helpers.isolate.bench``), next to ``helpers.train.trainee_step``."""
-    from helpers.device import resolve
+def _engine_step(setup: _ZeroSetup, losses: list[float] | None = None):
+    """One training step through DeepSpeed's engine, as a callable; each loss goes to ``losses``.
 
-    engine, _, batch, _, _ = _engine(run, resolve(run.device))
+    DeepSpeed's engine owns this step, so it keeps the engine's idiom rather than
+    ``helpers.train.train_step(engine, engine, [batch], backward=engine.backward)``:
+    ``engine.step()`` already clears the gradients (through its ZeRO optimizer's
+    ``zero_grad()``), and ``DeepSpeedEngine.zero_grad()`` takes no ``set_to_none`` argument,
+    so the base step's ``optimizer.zero_grad(set_to_none=True)`` would raise a TypeError.
+    """
+    engine, batch = setup.engine, setup.batch
 
     def step() -> None:
-        engine.backward(engine(**batch).loss)
+        """Forward, backward and optimizer step, each through the engine."""
+        loss = engine(**batch).loss
+        engine.backward(loss)
         engine.step()
+        if losses is not None:
+            losses.append(float(loss.detach()))
 
     return step
 
 
-def measure_zero(run: ZeroRun):
+def zero_step(run: ZeroConfig):
+    """One DeepSpeed training step of ``run`` as a callable: a contender to time in a process
+    of its own (``helpers.isolate.bench``), next to ``helpers.train.trainee_step``."""
+    from helpers.device import resolve
+
+    return _engine_step(_engine(run, resolve(run.device)))
+
+
+def measure_zero(run: ZeroConfig):
     """Train ``run`` with DeepSpeed ZeRO + CPU offload in this process; one Record of it.
 
-    Call it in a fresh process. ``memory`` holds the device side (on a CPU the tracker's
-    ``OffloadView``, on a GPU the allocator's peak) and, under ``offloaded``, the bytes
-    DeepSpeed keeps in host buffers; ``resident`` is what the model itself holds between steps.
+    Call it in a fresh process. ``memory`` holds the device side by category (on a CPU the
+    tracker's ``OffloadView``, on a GPU the allocator's peak). ``extra`` holds the lesson's own
+    measurements: ``offloaded``, the bytes DeepSpeed keeps in host buffers (and on which
+    devices), ``resident``, what the model itself holds between steps, ``fetched``, the most
+    ZeRO-3 weights on the device at once (CPU), and DeepSpeed's estimate for this setup.
     """
-    from helpers.device import nvml_used_bytes, resolve
-    from helpers.hardware import hardware_report
-    from helpers.memory import OffloadView, allocator_peaks, memory_budget, reset_device_peaks
-    from helpers.results import Record
-    from helpers.timing import time_fn
+    from helpers.device import resolve
+    from helpers.memory import memory_budget
 
     t0 = time.perf_counter()
     device = resolve(run.device)
-    stack = contextlib.ExitStack()
+    cap = contextlib.nullcontext()
     if run.budget and device.type == "cuda":  # caps the allocator for the whole run
-        stack.enter_context(memory_budget(run.budget, device=device))
+        cap = memory_budget(run.budget, device=device)
     try:
-        engine, ds_optimizer, batch, ds_config, n_params = _engine(run, device)
-        losses: list[float] = []
-
-        def step() -> None:
-            loss = engine(**batch).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach()))
-
-        for _ in range(max(1, run.warmup)):  # creates the optimizer state and the buckets
-            step()
-        host = host_tensors(ds_optimizer, run.stage, run.offload_params)
-        peaks = None
-        if device.type == "cuda":
-            reset_device_peaks(device)
-            step()
-        else:
-            view = OffloadView(
-                device,
-                {t.untyped_storage().data_ptr() for t in host["buffers"] + host["optimizer_state"]},
-                fetched=_fetched_counter(engine.module) if run.stage == 3 else None,
-            )
-            peaks = CategoryTracker(budget=run.budget, offload=view)
-            peaks.track_external(engine.module, *device_buffers(ds_optimizer))
-            with peaks:  # one steady-state step
-                step()
-        timing = time_fn(step, device, warmup=0, repeats=run.repeats)
-        host = host_tensors(ds_optimizer, run.stage, run.offload_params)  # state exists now
-        params = list(engine.module.parameters())
-        grads = [p.grad for p in params if p.grad is not None]
-        memory = {
-            "resident": tensor_bytes(params + grads),
-            "resident_params": tensor_bytes(params),
-            "offloaded": storage_bytes(host["buffers"] + host["optimizer_state"]),
-            "offloaded_optimizer_state": storage_bytes(host["optimizer_state"]),
-            "offloaded_on": sorted({str(t.device) for t in host["buffers"]}),
-        }
-        if peaks is not None:
-            cat = peaks.peaks().as_dict()
-            memory.update({k: cat[k] for k in ("gradients", "activations", "temporaries")})
-            memory["params"] = max(cat["params"], peaks.fetched_max)
-            memory["fetched"] = peaks.fetched_max
-            memory["optimizer_state"] = cat["optimizer_state"]
-            memory["peak"] = peaks.device_peak
-        allocator = allocator_peaks(device)
-        if allocator is not None:
-            memory["peak"] = allocator.allocated
-        # DeepSpeed's own estimate of the model states for this very setup (device, host).
-        option = "ZeRO-2 + offload optimizer"
-        if run.stage == 3:
-            option = "ZeRO-3 + offload optimizer" + (" + params" if run.offload_params else "")
-        largest = max(
-            sum(
-                p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-                for p in m.parameters(recurse=False)
-            )
-            for m in engine.module.modules()
-        )
-        estimate = deepspeed_estimates(n_params, largest)
-        memory["largest_layer"] = largest
-        memory["deepspeed_estimate"] = list(estimate[option]) if estimate else None
-        report = hardware_report(device)
-        return Record(
-            config={**run.as_dict(), "zero": ds_config["zero_optimization"]},
-            device=report.as_dict(),
-            n_params=n_params,
-            memory=memory,
-            allocator=asdict(allocator) if allocator else None,
-            nvml_used=nvml_used_bytes(device),
-            step_time=timing.median,
-            step_times=timing.times,
-            samples_per_s=run.batch_size / timing.median,
-            tokens_per_s=run.batch_size * run.seq_len / timing.median,
-            losses=losses,
-            wall_s=time.perf_counter() - t0,
-        )
+        with cap:
+            return _measure(run, device, t0)
     finally:
-        stack.close()
         _stop_deepspeed()
 
 
+def _measure(run: ZeroConfig, device: torch.device, t0: float):
+    """``measure_zero``'s steps: warm up, one tracked step, the timed steps; their Record."""
+    from helpers.timing import time_fn
+
+    setup = _engine(run, device)
+    losses: list[float] = []
+    step = _engine_step(setup, losses)
+    for _ in range(max(1, run.warmup)):  # creates the optimizer state and the buckets
+        step()
+    tracker = _tracked_step(step, setup, run, device)
+    timing = time_fn(step, device, warmup=0, repeats=run.repeats)
+    return _zero_record(run, device, setup, tracker, timing, losses, t0)
+
+
+def _tracked_step(step, setup: _ZeroSetup, run: ZeroConfig, device: torch.device):
+    """One steady-state step, measured: on a GPU by the allocator (peaks reset; returns None),
+    elsewhere by a CategoryTracker that leaves DeepSpeed's offload buffers out (returned)."""
+    from helpers.memory import OffloadView, reset_device_peaks
+
+    if device.type == "cuda":
+        reset_device_peaks(device)
+        step()
+        return None
+    host = host_tensors(setup.ds_optimizer, run.stage, run.offload_params)
+    view = OffloadView(
+        device,
+        {t.untyped_storage().data_ptr() for t in host.all_tensors()},
+        fetched=_fetched_counter(setup.engine.module) if run.stage == 3 else None,
+    )
+    tracker = CategoryTracker(budget=run.budget, offload=view)
+    tracker.track_external(setup.engine.module, *device_buffers(setup.ds_optimizer))
+    with tracker:
+        step()
+    return tracker
+
+
+def _owner_bytes(setup: _ZeroSetup, run: ZeroConfig) -> dict:
+    """Where the bytes live between steps, by owner: the model's tensors, DeepSpeed's host side."""
+    host = host_tensors(setup.ds_optimizer, run.stage, run.offload_params)  # state exists now
+    params = list(setup.engine.module.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    return {
+        "resident": tensor_bytes(params + grads),
+        "resident_params": tensor_bytes(params),
+        "offloaded": storage_bytes(host.all_tensors()),
+        "offloaded_optimizer_state": storage_bytes(host.optimizer_state),
+        "offloaded_on": sorted({str(t.device) for t in host.buffers}),
+    }
+
+
+def _tracked_categories(tracker: CategoryTracker) -> dict[str, int]:
+    """The tracked step's device bytes by category; fetched ZeRO-3 weights count as params."""
+    cat = tracker.peaks().as_dict()
+    memory = {k: cat[k] for k in ("gradients", "activations", "temporaries")}
+    memory["params"] = max(cat["params"], tracker.fetched_max)
+    memory["optimizer_state"] = cat["optimizer_state"]
+    memory["peak"] = tracker.device_peak
+    return memory
+
+
+def _largest_layer(module: torch.nn.Module) -> int:
+    """Parameters of the largest single module, ZeRO-3's partitioned ones at their full size."""
+    return max(
+        sum(
+            p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in m.parameters(recurse=False)
+        )
+        for m in module.modules()
+    )
+
+
+def _own_estimate(run: ZeroConfig, setup: _ZeroSetup) -> dict:
+    """DeepSpeed's own estimate of the model states for this very setup, and the largest layer
+    it is based on: ``deepspeed_estimate`` is [device bytes, host bytes], or None."""
+    option = "ZeRO-2 + offload optimizer"
+    if run.stage == 3:
+        option = "ZeRO-3 + offload optimizer" + (" + params" if run.offload_params else "")
+    largest = _largest_layer(setup.engine.module)
+    estimate = deepspeed_estimates(setup.n_params, largest)
+    mine = estimate[option] if estimate else None
+    return {
+        "largest_layer": largest,
+        "deepspeed_estimate": [mine.device, mine.host] if mine else None,
+    }
+
+
+def _zero_record(run: ZeroConfig, device, setup: _ZeroSetup, tracker, timing, losses, t0):
+    """The Record of a measured ZeRO run: device categories in ``memory``, the rest in ``extra``."""
+    from helpers.device import nvml_used_bytes
+    from helpers.hardware import hardware_report
+    from helpers.memory import allocator_peaks
+    from helpers.results import Record
+
+    extra = _owner_bytes(setup, run)
+    memory = {}
+    if tracker is not None:
+        memory = _tracked_categories(tracker)
+        extra["fetched"] = tracker.fetched_max
+    allocator = allocator_peaks(device)
+    if allocator is not None:
+        memory["peak"] = allocator.allocated
+    extra.update(_own_estimate(run, setup))
+    report = hardware_report(device)
+    return Record(
+        config={**run.as_dict(), "zero": setup.ds_config["zero_optimization"]},
+        device=report.as_dict(),
+        n_params=setup.n_params,
+        memory=memory,
+        allocator=asdict(allocator) if allocator else None,
+        nvml_used=nvml_used_bytes(device),
+        step_time=timing.median,
+        step_times=timing.times,
+        samples_per_s=run.batch_size / timing.median,
+        tokens_per_s=run.batch_size * run.seq_len / timing.median,
+        losses=losses,
+        extra=extra,
+        wall_s=time.perf_counter() - t0,
+    )
+
+
 @dataclass
-class TrainerRun:
+class TrainerResult:
     """What a Trainer run with a DeepSpeed config gave back."""
 
     losses: list[float] = field(default_factory=list)
@@ -387,7 +494,7 @@ class TrainerRun:
     train_s: float = 0.0
 
 
-def train_with_trainer(run: ZeroRun, steps: int) -> TrainerRun:
+def train_with_trainer(run: ZeroConfig, steps: int) -> TrainerResult:
     """Train ``run`` with ``Trainer`` and ``TrainingArguments(deepspeed=<config dict>)``.
 
     Call it in a fresh process. The Trainer builds its AdamW, hands it and the model to
@@ -395,51 +502,35 @@ def train_with_trainer(run: ZeroRun, steps: int) -> TrainerRun:
     """
     import tempfile
 
-    from transformers import PrinterCallback, Trainer, TrainingArguments
+    from transformers import Trainer
 
     from helpers.data import MarkovTask, markov_dataset
     from helpers.device import resolve
-    from helpers.models import build_model, count_params, load_config, task_kind
+    from helpers.models import task_kind
+    from helpers.train import quiet_trainer, trainer_arguments
 
     device = resolve(run.device)
     _start_deepspeed(device)
-    config = load_config(run.model)
-    model = build_model(config, device="cpu", seed=run.seed)
-    n_params = count_params(model)
+    config, model, n_params, ds_config = _cpu_model(run)
     task = MarkovTask(n_states=min(64, config.vocab_size), seed=run.seed)
     data = markov_dataset(task, task_kind(config), steps * run.batch_size, run.seq_len, run.seed)
-    ds_config = zero_config(
-        run.stage, config.hidden_size, run.batch_size, run.offload_params, run.pin_memory
-    )
     try:
         with tempfile.TemporaryDirectory() as out:
-            args = TrainingArguments(
-                output_dir=out,
-                per_device_train_batch_size=run.batch_size,
-                max_steps=steps,
-                learning_rate=1e-3,
-                lr_scheduler_type="constant",
-                optim="adamw_torch",
-                logging_steps=1,
-                report_to="none",
-                save_strategy="no",
-                disable_tqdm=True,
-                use_cpu=device.type == "cpu",
-                deepspeed=ds_config,
-                seed=run.seed,
-            )
-            trainer = Trainer(model=model, args=args, train_dataset=data)
-            trainer.remove_callback(PrinterCallback)  # the losses come back in the result
+            args = trainer_arguments(
+                out, device, per_device_train_batch_size=run.batch_size, max_steps=steps,
+                learning_rate=1e-3, lr_scheduler_type="constant", optim="adamw_torch",
+                logging_strategy="steps", logging_steps=1, deepspeed=ds_config, seed=run.seed,
+            )  # fmt: skip
+            # quiet: the losses come back in the result
+            trainer = quiet_trainer(Trainer(model=model, args=args, train_dataset=data))
             t0 = time.perf_counter()
             trainer.train()
             train_s = time.perf_counter() - t0
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        params = list(trainer.model.parameters())
-        return TrainerRun(
-            losses=losses,
+        return TrainerResult(
+            losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
             uniform_loss=task.uniform_loss,
             engine=type(trainer.model_wrapped).__name__,
-            resident_params=tensor_bytes(params),
+            resident_params=tensor_bytes(list(trainer.model.parameters())),
             n_params=n_params,
             train_s=train_s,
         )
@@ -451,7 +542,11 @@ def train_with_trainer(run: ZeroRun, steps: int) -> TrainerRun:
 
 
 def widen(config: dict, factor: int) -> dict:
-    """A decoder config ``factor`` times as wide: hidden, MLP and head counts (head size kept)."""
+    """A decoder config ``factor`` times as wide: hidden, MLP and head counts (head size kept).
+
+    Model configs stay dicts in transformers' ``config.json`` format: that is what
+    ``RunConfig.model`` and ``ZeroConfig.model`` accept and what a record stores as JSON.
+    """
     out = dict(config)
     out["hidden_size"] = config["hidden_size"] * factor
     out["intermediate_size"] = config["intermediate_size"] * factor
@@ -479,7 +574,8 @@ def oversized_config(config, budget: int, over: float = 1.5, layers: int = 4) ->
     """The scale's decoder, ``layers`` deep and widened until 16 B/param exceed ``over x budget``.
 
     Widening (not deepening) grows the model states (~width²) faster than the activations
-    (~width), so the offloaded run still fits the budget while the plain one cannot.
+    (~width), so the offloaded run still fits the budget while the plain one cannot. The result
+    is a ``config.json`` dict, as ``widen``'s.
     """
     from helpers.models import load_config
 
@@ -492,8 +588,17 @@ def oversized_config(config, budget: int, over: float = 1.5, layers: int = 4) ->
     raise ValueError("no width up to 64x makes the model states exceed the budget")
 
 
-def deepspeed_estimates(n_params: int, largest_layer: int) -> dict[str, tuple[int, int]] | None:
-    """DeepSpeed's own model-state estimates, {option: (device bytes, host bytes)}; None without it.
+@dataclass
+class EstimateResult:
+    """DeepSpeed's estimate of the model states' bytes for one ZeRO option."""
+
+    device: int  # bytes on the GPU
+    host: int  # bytes in host RAM
+
+
+def deepspeed_estimates(n_params: int, largest_layer: int) -> dict[str, EstimateResult] | None:
+    """DeepSpeed's own model-state estimates by ZeRO option ("ZeRO-2", "ZeRO-3 + offload
+    optimizer", ...); None without DeepSpeed.
 
     These are the functions behind ``estimate_zero{2,3}_model_states_mem_needs_all_cold``, for
     one GPU on one node, with DeepSpeed's default 1.5x host buffer factor. They assume 16-bit
@@ -507,7 +612,7 @@ def deepspeed_estimates(n_params: int, largest_layer: int) -> dict[str, tuple[in
     out = {}
     for offload in (False, True):
         host, gpu = estimate_zero2_model_states_mem_needs(n_params, cpu_offload=offload)
-        out[f"ZeRO-2{' + offload optimizer' if offload else ''}"] = (gpu, host)
+        out[f"ZeRO-2{' + offload optimizer' if offload else ''}"] = EstimateResult(gpu, host)
     for offload, params in ((False, False), (True, False), (True, True)):
         host, gpu, _ = estimate_zero3_model_states_mem_needs(
             n_params, largest_layer, cpu_offload=offload, cpu_offload_params=params
@@ -515,12 +620,12 @@ def deepspeed_estimates(n_params: int, largest_layer: int) -> dict[str, tuple[in
         name = (
             "ZeRO-3" + (" + offload optimizer" if offload else "") + (" + params" if params else "")
         )
-        out[name] = (gpu, host)
+        out[name] = EstimateResult(gpu, host)
     return out
 
 
 @dataclass
-class Plan:
+class PlanResult:
     """The seed's decision tree applied to one model, with the numbers behind the choice."""
 
     choice: str  # "plain" | "ZeRO-2 + offload optimizer" | "ZeRO-3 + offload ..." | "NVMe ..."
@@ -536,7 +641,7 @@ def plan(
     budget: int,
     host_ram: int,
     bytes_per_param: int = BYTES_PER_PARAM,
-) -> Plan:
+) -> PlanResult:
     """Fits -> no DeepSpeed; else ZeRO-2, then ZeRO-3 with CPU offload; else NVMe (seed 000).
 
     fp32 arithmetic of this course: weights 4 B/param on the device with ZeRO-2; ZeRO-3 keeps
@@ -545,7 +650,7 @@ def plan(
     """
     plain = bytes_per_param * n_params + activations
     if plain <= budget:
-        return Plan(
+        return PlanResult(
             "plain",
             plain,
             0,
@@ -555,7 +660,7 @@ def plan(
     host = int(1.5 * bytes_per_param * n_params)
     zero2 = FP32 * n_params + activations
     if zero2 <= budget and host <= host_ram:
-        return Plan(
+        return PlanResult(
             "ZeRO-2 + offload optimizer",
             zero2,
             host,
@@ -564,7 +669,7 @@ def plan(
         )
     zero3 = 2 * FP32 * largest_layer + activations
     if zero3 <= budget and host <= host_ram:
-        return Plan(
+        return PlanResult(
             "ZeRO-3 + offload optimizer + params",
             zero3,
             host,
@@ -572,14 +677,16 @@ def plan(
             "the device; everything else lives in host RAM",
         )
     if zero3 <= budget:
-        return Plan(
+        return PlanResult(
             "ZeRO-3 + NVMe offload",
             zero3,
             host,
             f"host RAM ({host_ram / GiB:,.0f} GiB) is smaller than the "
             f"{host / GiB:,.0f} GiB the offloaded states need: offload to NVMe",
         )
-    return Plan("more devices", zero3, host, "even one layer plus activations exceed the budget")
+    return PlanResult(
+        "more devices", zero3, host, "even one layer plus activations exceed the budget"
+    )
 
 
 def host_ram_bytes() -> int:
@@ -599,7 +706,7 @@ def device_peak(rec) -> int:
 
 def host_bytes(rec) -> int:
     """Bytes a run's DeepSpeed keeps in host buffers (0 for a plain run)."""
-    return rec.memory.get("offloaded", 0)
+    return rec.extra.get("offloaded", 0)
 
 
 def timing_mode(records: dict, device=None) -> str:
