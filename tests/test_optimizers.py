@@ -115,9 +115,9 @@ def test_adamw_step_times_compares_implementations():
         },
         repeats=2,
     )
-    assert set(out["comparison"].times) == {"for-loop", "foreach"} and "bad" in out["errors"]
-    assert out["comparison"].rounds >= 2  # both variants stepped in turns
-    assert out["max_diff"]["foreach"] < 1e-6  # the same update, computed another way
+    assert set(out.comparison.times) == {"for-loop", "foreach"} and "bad" in out.errors
+    assert out.comparison.rounds >= 2  # both variants stepped in turns
+    assert out.max_diff["foreach"] < 1e-6  # the same update, computed another way
 
 
 def test_markov_curves_sets_each_runs_learning_rate():
@@ -126,7 +126,22 @@ def test_markov_curves_sets_each_runs_learning_rate():
 
     cfg = RunConfig(model="llama-tiny", batch_size=2, seq_len=16, device="cpu")
     curves = markov_curves({"frozen": (cfg, 0.0), "moving": (cfg, 1e-3)}, steps=3)
-    frozen, moving = curves["frozen"].losses, curves["moving"].losses
+    frozen, moving = curves.runs["frozen"].losses, curves.runs["moving"].losses
     assert len(frozen) == 3 and frozen[0] == moving[0]  # same model, same first batch
     assert frozen[-1] != moving[-1]  # lr 0 changes nothing; 1e-3 changes the weights
-    assert 0 < curves["moving"].best_loss < curves["moving"].uniform_loss
+    assert 0 < curves.best_loss < curves.uniform_loss
+    assert (curves.best_loss, curves.uniform_loss) == (
+        curves.runs["moving"].best_loss,
+        curves.runs["moving"].uniform_loss,
+    )
+
+
+def test_trainer_states_reports_what_the_trainer_built_or_why_not():
+    from helpers.lessons.optimizers import trainer_states
+
+    out = trainer_states("bert-tiny", ["adamw_torch", "no_such_optimizer"], steps=1)
+    built, failed = out["adamw_torch"], out["no_such_optimizer"]
+    assert built.error is None and built.optimizer_class == "torch.optim.adamw.AdamW"
+    assert built.overrides == [] and built.hyper["lr"] == 1e-3
+    assert {row.key for row in built.state} == {"exp_avg", "exp_avg_sq", "step"}
+    assert failed.error.startswith("ValueError") and failed.state == []

@@ -10,6 +10,7 @@ model for data parallelism and shards the data loader.
 
 ``trainer_run`` trains the same configuration with the ``Trainer`` so the two can be
 compared: same model, data, micro-batch, accumulation, precision, optimizer and clipping.
+Both measure their steps with one ``StepMeter``.
 """
 
 from __future__ import annotations
@@ -18,10 +19,17 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+import torch
+from transformers import TrainerCallback
+
 from helpers.data import MarkovTask, markov_dataset
 from helpers.memory import CategoryTracker
 from helpers.models import build_model, enable_checkpointing, load_config, task_kind
-from helpers.train import make_optimizer
+from helpers.train import make_optimizer, quiet_trainer, trainer_arguments
+
+# The Trainer's ``optim=`` name for each of helpers.train.make_optimizer's names.
+TRAINER_OPTIM = {"adamw8bit": "adamw_bnb_8bit", "adamw": "adamw_torch", "sgd": "sgd",
+                 "adafactor": "adafactor"}  # fmt: skip
 
 
 @dataclass
@@ -63,7 +71,57 @@ class LoopResult:
         return statistics.median(self.step_times) if self.step_times else float("nan")
 
 
+def _result_for(model: torch.nn.Module, **who) -> LoopResult:
+    """An empty ``LoopResult`` with ``model``'s sizes and ``who`` (device, processes) filled in."""
+    params = list(model.parameters())
+    return LoopResult(n_params=sum(p.numel() for p in params), n_tensors=len(params), **who)
+
+
+@dataclass
+class StepMeter:
+    """Times every optimizer step of a run but one, whose exact memory it tracks instead."""
+
+    track_step: int  # the optimizer step (0-based) to track
+    result: LoopResult  # receives ``step_times`` and ``memory``
+    tracker: CategoryTracker | None = None
+    start: float = 0.0
+
+    def begin(self, step: int, model, optimizer, device: torch.device) -> None:
+        """Start optimizer step ``step``: the tracker if it is the tracked one, the clock."""
+        if step == self.track_step:
+            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
+            self.tracker = CategoryTracker(device=device)
+            self.tracker.track_external(model, inner)
+            self.tracker.__enter__()
+        self.start = time.perf_counter()
+
+    def end(self) -> None:
+        """End the step: keep its memory if it was tracked, else its seconds."""
+        if self.tracker is not None:
+            self.tracker.__exit__(None, None, None)
+            self.result.memory = self.tracker.peaks().as_dict()
+            self.tracker = None
+        else:
+            self.result.step_times.append(time.perf_counter() - self.start)
+
+
+class MeterSteps(TrainerCallback):
+    """A Trainer callback that hands each optimizer step (all its micro-batches) to a meter."""
+
+    def __init__(self, meter: StepMeter) -> None:
+        self.meter = meter
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        """The Trainer starts an optimizer step."""
+        self.meter.begin(state.global_step, model, optimizer, next(model.parameters()).device)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """The Trainer has stepped the optimizer."""
+        self.meter.end()
+
+
 def _dataset(cfg: LoopConfig, kind: str, n: int):
+    """``n`` samples of the learnable Markov task for a ``kind`` model."""
     return markov_dataset(MarkovTask(seed=cfg.seed), kind, n=n, seq_len=cfg.seq_len, seed=cfg.seed)
 
 
@@ -93,22 +151,14 @@ def train_loop(cfg: LoopConfig) -> LoopResult:
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     model.train()
 
-    result = LoopResult(
-        n_params=sum(p.numel() for p in model.parameters()),
-        n_tensors=len(list(model.parameters())),
-        device=str(accelerator.device),
-        num_processes=accelerator.num_processes,
-        process_index=accelerator.process_index,
-        mixed_precision=accelerator.mixed_precision,
-    )
+    result = _result_for(
+        model, device=str(accelerator.device), num_processes=accelerator.num_processes,
+        process_index=accelerator.process_index, mixed_precision=accelerator.mixed_precision,
+    )  # fmt: skip
+    meter = StepMeter(cfg.track_step, result)  # the lesson's measurement, not the loop's
     batches = iter(loader)
     for step in range(cfg.max_steps):
-        tracker = None
-        if step == cfg.track_step:
-            tracker = CategoryTracker(device=accelerator.device)
-            tracker.track_external(accelerator.unwrap_model(model), optimizer.optimizer)
-            tracker.__enter__()
-        start = time.perf_counter()
+        meter.begin(step, accelerator.unwrap_model(model), optimizer, accelerator.device)
         total = 0.0
         for _ in range(cfg.gradient_accumulation_steps):
             batch = next(batches)
@@ -123,14 +173,35 @@ def train_loop(cfg: LoopConfig) -> LoopResult:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             total += loss.detach().float().item() / cfg.gradient_accumulation_steps
-        if tracker is not None:
-            tracker.__exit__(None, None, None)
-            result.memory = tracker.peaks().as_dict()
-        else:
-            result.step_times.append(time.perf_counter() - start)
+        meter.end()
         result.losses.append(total)
     accelerator.end_training()
     return result
+
+
+def _trainer_arguments(cfg: LoopConfig, output_dir: str):
+    """``cfg`` as quiet TrainingArguments that keep a loss per optimizer step."""
+    return trainer_arguments(
+        output_dir,
+        logging_strategy="steps",
+        logging_steps=1,
+        per_device_train_batch_size=cfg.per_device_train_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        activation_checkpointing=cfg.gradient_checkpointing,  # was gradient_checkpointing
+        activation_checkpointing_kwargs={"use_reentrant": False},
+        bf16=cfg.mixed_precision == "bf16",
+        fp16=cfg.mixed_precision == "fp16",
+        optim=TRAINER_OPTIM[cfg.optimizer],
+        learning_rate=cfg.learning_rate,
+        max_grad_norm=cfg.max_grad_norm,
+        max_steps=cfg.max_steps,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        use_cpu=cfg.cpu,  # as Accelerator(cpu=...): the default device unless forced
+        dataloader_num_workers=0,
+        seed=cfg.seed,
+    )
 
 
 def trainer_run(cfg: LoopConfig) -> LoopResult:
@@ -138,7 +209,7 @@ def trainer_run(cfg: LoopConfig) -> LoopResult:
     import os
     import tempfile
 
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer
 
     config = load_config(cfg.model)
     model = build_model(config, seed=cfg.seed)
@@ -149,61 +220,12 @@ def trainer_run(cfg: LoopConfig) -> LoopResult:
         # large (huggingface/transformers#47688; lesson 03 measures it). Opt out explicitly.
         model.accepts_loss_kwargs = False
     data = _dataset(cfg, task_kind(config), cfg.max_steps * cfg.gradient_accumulation_steps)
-    optim = {"adamw8bit": "adamw_bnb_8bit", "adamw": "adamw_torch", "sgd": "sgd",
-             "adafactor": "adafactor"}[cfg.optimizer]  # fmt: skip
-    result = LoopResult(
-        n_params=sum(p.numel() for p in model.parameters()),
-        n_tensors=len(list(model.parameters())),
-    )
-
-    class TrackStep(TrainerCallback):
-        """Track one optimizer step (all its micro-batches) with the course's tracker."""
-
-        def __init__(self):
-            self.tracker, self.start = None, 0.0
-
-        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kw):
-            self.start = time.perf_counter()
-            if state.global_step == cfg.track_step:
-                self.tracker = CategoryTracker(device=next(model.parameters()).device)
-                inner = getattr(optimizer, "optimizer", optimizer)
-                self.tracker.track_external(model, inner)
-                self.tracker.__enter__()
-
-        def on_step_end(self, args, state, control, **kw):
-            if self.tracker is not None:
-                self.tracker.__exit__(None, None, None)
-                result.memory = self.tracker.peaks().as_dict()
-                self.tracker = None
-            else:
-                result.step_times.append(time.perf_counter() - self.start)
-
+    result = _result_for(model)
+    callback = MeterSteps(StepMeter(cfg.track_step, result))
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=os.path.join(out, "trainer"),
-            per_device_train_batch_size=cfg.per_device_train_batch_size,
-            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-            activation_checkpointing=cfg.gradient_checkpointing,  # was gradient_checkpointing
-            activation_checkpointing_kwargs={"use_reentrant": False},
-            bf16=cfg.mixed_precision == "bf16",
-            fp16=cfg.mixed_precision == "fp16",
-            optim=optim,
-            learning_rate=cfg.learning_rate,
-            max_grad_norm=cfg.max_grad_norm,
-            max_steps=cfg.max_steps,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            weight_decay=0.0,
-            use_cpu=cfg.cpu,
-            report_to="none",
-            save_strategy="no",
-            logging_steps=1,
-            dataloader_num_workers=0,
-            seed=cfg.seed,
-            disable_tqdm=True,
-        )
-        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[TrackStep()])
-        trainer.train()
+        args = _trainer_arguments(cfg, os.path.join(out, "trainer"))
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+        quiet_trainer(trainer).train()
     result.losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     result.device = str(trainer.args.device)
     result.mixed_precision = cfg.mixed_precision

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 from matplotlib.figure import Figure
+from transformers import TrainerCallback
 
 from helpers.memory import CategoryTracker, memory_budget
 from helpers.names import MiB
@@ -33,6 +34,7 @@ def halving(start: int) -> Callable[[], int]:
     current = start
 
     def reduce() -> int:
+        """The next batch size: half the last one."""
         nonlocal current
         current //= 2
         return current
@@ -75,7 +77,7 @@ def recognised_budget(nbytes: int, *tracked, device: torch.device):
 
 
 @dataclass
-class MatmulTiming:
+class MatmulTimingResult:
     """Median seconds and achieved TFLOP/s of an n x n by n x n matmul, per size n."""
 
     dtype: str
@@ -104,7 +106,7 @@ def matmul_timing(
     warmup: int = 3,
     repeats: int = 15,
     inner: int = 1,
-) -> MatmulTiming:
+) -> MatmulTimingResult:
     """Time n x n matmuls per size (``inner`` back to back per timed call), sizes interleaved.
 
     Each round times every size once, so a slow spell of the machine hits all sizes alike.
@@ -119,9 +121,11 @@ def matmul_timing(
     }  # fmt: skip
 
     def call(n: int) -> Callable[[], None]:
+        """The timed call for size ``n``."""
         a, b = pairs[n]
 
         def run() -> None:
+            """``inner`` matmuls of the size's pair, back to back."""
             for _ in range(inner):
                 torch.mm(a, b)
 
@@ -133,7 +137,7 @@ def matmul_timing(
     for _ in range(repeats):
         for n in sizes:
             times[n] += time_fn(call(n), dev, warmup=0, repeats=1).times
-    out = MatmulTiming(dtype)
+    out = MatmulTimingResult(dtype)
     for n, ts in times.items():
         median = statistics.median(ts) / inner
         out.seconds[n] = median
@@ -144,13 +148,24 @@ def matmul_timing(
 
 
 @dataclass
-class TrainerSearch:
+class TrainerSearchResult:
     """What the Trainer's ``auto_find_batch_size`` did: every batch size it started with."""
 
-    tried: list[int]
-    final: int
-    steps: int
-    loss: float
+    tried: list[int]  # the batch of each (re)start of the training loop, in order
+    final: int  # the batch it trained with
+    steps: int  # optimizer steps it completed
+    loss: float  # its mean training loss
+
+
+class BatchSizesTried(TrainerCallback):
+    """Collects the batch size each (re)start of ``Trainer.train``'s loop begins with."""
+
+    def __init__(self) -> None:
+        self.tried: list[int] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """The loop starts, first or after an out-of-memory error."""
+        self.tried.append(state.train_batch_size)
 
 
 def trainer_auto_batch(
@@ -161,46 +176,38 @@ def trainer_auto_batch(
     max_steps: int = 2,
     device: str | None = None,
     seed: int = 0,
-) -> TrainerSearch:
+) -> TrainerSearchResult:
     """Train ``model`` with the Trainer's ``auto_find_batch_size`` inside a memory budget."""
     import tempfile
 
-    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer
 
     from helpers.data import MarkovTask, markov_dataset
     from helpers.device import resolve
     from helpers.models import build_model, load_config, task_kind
+    from helpers.train import quiet_trainer, trainer_arguments
 
     dev = resolve(device)
     config = load_config(model)
     net = build_model(config, device=dev, seed=seed)
     task = MarkovTask(n_states=min(64, config.vocab_size), seed=seed)
     data = markov_dataset(task, task_kind(config), n=start * max_steps, seq_len=seq_len, seed=seed)
-    tried: list[int] = []
-
-    class Tried(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            tried.append(state.train_batch_size)
-
+    tried = BatchSizesTried()
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out,
-            per_device_train_batch_size=start,
+        # quiet: a progress bar and the metrics of every attempt would bury the output
+        args = trainer_arguments(
+            out, dev, per_device_train_batch_size=start,
             auto_find_batch_size=True,  # the switch: retry with a smaller batch after an OOM
-            max_steps=max_steps,
-            learning_rate=1e-3,
-            report_to="none",
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,  # one bar per attempt would bury the output
-            use_cpu=dev.type == "cpu",
-            seed=seed,
+            max_steps=max_steps, learning_rate=1e-3, seed=seed,
+        )  # fmt: skip
+        trainer = quiet_trainer(
+            Trainer(model=net, args=args, train_dataset=data, callbacks=[tried])
         )
-        trainer = Trainer(model=net, args=args, train_dataset=data, callbacks=[Tried()])
-        trainer.remove_callback(PrinterCallback)  # it would print the final metrics
         with recognised_budget(budget, net, device=dev):
             result = trainer.train()
-    return TrainerSearch(tried, tried[-1], result.global_step, float(result.training_loss))
+    return TrainerSearchResult(
+        tried.tried, tried.tried[-1], result.global_step, float(result.training_loss)
+    )
 
 
 def throughput_memory_figure(
@@ -243,7 +250,7 @@ def throughput_memory_figure(
     return fig
 
 
-def matmul_figure(timing: MatmulTiming, title: str = "") -> Figure:
+def matmul_figure(timing: MatmulTimingResult, title: str = "") -> Figure:
     """Achieved TFLOP/s per matmul size, coloured by alignment: multiple of 64, of 8, or neither."""
     from matplotlib.patches import Patch
 

@@ -9,25 +9,41 @@ The state rules themselves are core machinery: ``helpers.optimizer_state``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from helpers.optimizer_state import read_state
+from helpers.data import MarkovTask, markov_dataset
+from helpers.device import resolve
+from helpers.models import build_model, load_config, task_kind
+from helpers.optimizer_state import StateTensor, read_state
+from helpers.timing import Comparison, compare_calls
+from helpers.train import RunConfig, TrainResult, quiet_trainer, train_markov, trainer_arguments
 
 
-def adamw_step_times(cfg, variants: dict[str, dict], repeats: int = 20, claims=()) -> dict:
+@dataclass
+class AdamWStepResult:
+    """``optimizer.step()`` of AdamW built several ways: times in turns, and the updates."""
+
+    comparison: Comparison  # seconds per step of each variant that ran, interleaved rounds
+    errors: dict[str, str]  # variant -> why it cannot be built on this device
+    max_diff: dict[str, float]  # variant -> largest |weight - first variant's| after one step
+    n_tensors: int  # parameter tensors the optimizer steps
+    n_params: int
+
+
+def adamw_step_times(
+    cfg: RunConfig, variants: dict[str, dict], repeats: int = 20, claims=()
+) -> AdamWStepResult:
     """``optimizer.step()`` alone for torch AdamW built with each kwargs set, timed in turns.
 
     The model of ``cfg`` gets fixed random gradients once; every variant starts from the same
-    weights, so the updated weights can be compared too (key ``max_diff``: the largest
-    difference from the first variant after one step). The variants' optimizers then step in
-    interleaved rounds (``helpers.timing.compare_calls``, at least ``repeats`` rounds, more
-    while a claim is undecided): key ``comparison``. A variant that cannot be built on this
-    device comes back as its error message instead of a time.
+    weights, so the updated weights can be compared too (``max_diff``: the largest difference
+    from the first variant after one step). The variants' optimizers then step in interleaved
+    rounds (``helpers.timing.compare_calls``, at least ``repeats`` rounds, more while a claim
+    is undecided): ``comparison``. A variant that cannot be built on this device comes back
+    in ``errors`` as its error message instead of a time.
     """
-    from helpers.device import resolve
-    from helpers.models import build_model, load_config
-    from helpers.timing import compare_calls
-
     device = resolve(cfg.device)
     model = build_model(load_config(cfg.model), device=device, seed=cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -54,82 +70,112 @@ def adamw_step_times(cfg, variants: dict[str, dict], repeats: int = 20, claims=(
     ran = [c for c in claims if c.name in steps and c.versus in steps]
     comparison = compare_calls(steps, device, warmup=2, rounds=repeats,
                                max_rounds=max(repeats, 15), claims=ran)  # fmt: skip
-    return {"comparison": comparison, "errors": errors, "max_diff": max_diff,
-            "n_tensors": len(params), "n_params": sum(p.numel() for p in params)}  # fmt: skip
+    return AdamWStepResult(comparison, errors, max_diff, n_tensors=len(params),
+                           n_params=sum(p.numel() for p in params))  # fmt: skip
 
 
-def markov_curves(runs: dict, steps: int) -> dict:
+@dataclass
+class MarkovCurvesResult:
+    """Loss curves of several runs on the learnable task, and the task's reference losses."""
+
+    runs: dict[str, TrainResult]  # label -> its run, in the order given
+    best_loss: float  # the task's entropy rate: no model does better
+    uniform_loss: float  # log(n_states): a model that learnt which tokens occur, nothing more
+
+
+def markov_curves(runs: dict[str, tuple[RunConfig, float]], steps: int) -> MarkovCurvesResult:
     """Loss curves on the learnable task for several ``(RunConfig, lr)`` pairs, in order.
 
     Each run builds its own model from its seed, so runs do not influence each other; they
-    share one process only to pay the imports once.
+    share one process only to pay the imports once. The reference losses are the first run's
+    task's (runs with one seed and vocabulary share the task).
     """
-    from helpers.train import train_markov
+    curves = {label: train_markov(cfg, steps, lr) for label, (cfg, lr) in runs.items()}
+    first = next(iter(curves.values()))
+    return MarkovCurvesResult(curves, first.best_loss, first.uniform_loss)
 
-    return {label: train_markov(cfg, steps, lr) for label, (cfg, lr) in runs.items()}
+
+@dataclass
+class TrainerStateResult:
+    """What the Trainer built for one ``optim=`` name, or why it could not."""
+
+    optimizer_class: str = ""  # module.Class of its optimizer (accelerate's wrapper removed)
+    hyper: dict = field(default_factory=dict)  # hyper-parameters (numbers, flags, tuples)
+    overrides: list[tuple] = field(default_factory=list)  # (module, attr, config): 32-bit state
+    state: list[StateTensor] = field(default_factory=list)  # read_state of the optimizer
+    error: str | None = None  # "ImportError: ..." when the name failed (bitsandbytes missing)
 
 
-def trainer_states(model_name: str, optims: list[str], steps: int = 2, seed: int = 0) -> dict:
+def trainer_states(
+    model_name: str, optims: list[str], steps: int = 2, seed: int = 0
+) -> dict[str, TrainerStateResult]:
     """Train ``steps`` steps with each of the Trainer's ``optim=`` names; report what it built.
 
     Per name: the optimizer's class, its hyper-parameters, the modules registered with
     bitsandbytes' GlobalOptimManager for 32-bit state, and ``read_state`` of the optimizer.
-    A name that fails (bitsandbytes missing, say) comes back as {"error": message}.
+    A name that fails (bitsandbytes missing, say) comes back with its ``error`` set.
     """
     return {optim: _trainer_state(model_name, optim, steps, seed) for optim in optims}
 
 
-def _trainer_state(model_name: str, optim: str, steps: int, seed: int) -> dict:
+def _trainer_state(model_name: str, optim: str, steps: int, seed: int) -> TrainerStateResult:
     """One ``trainer_states`` entry: build, train and inspect one Trainer."""
-    import tempfile
-    import warnings
-    from pathlib import Path
-
-    from transformers import Trainer, TrainingArguments
-    from transformers.trainer_callback import PrinterCallback
-
-    from helpers.data import MarkovTask, markov_dataset
-    from helpers.device import resolve
-    from helpers.models import build_model, load_config, task_kind
-
     config = load_config(model_name)
     device = resolve(None)
     model = build_model(config, device=device, seed=seed)
     task = MarkovTask(n_states=min(64, config.vocab_size), seed=seed)
     data = markov_dataset(task, task_kind(config), 4 * steps, 32, seed=seed)
     try:
-        args = TrainingArguments(
-            output_dir=str(Path(tempfile.gettempdir()) / "course-trainer-06"),
-            optim=optim, max_steps=steps,
-            per_device_train_batch_size=4, learning_rate=1e-3, report_to="none",
-            save_strategy="no", logging_strategy="no", disable_tqdm=True,
-            use_cpu=device.type == "cpu", seed=seed,
-        )  # fmt: skip
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = Trainer(model=model, args=args, train_dataset=data)
-            trainer.remove_callback(PrinterCallback)  # no log lines: we report what it built
-            trainer.train()
+        trainer = _trained(model, data, optim, steps, seed, device)
     except (ImportError, ValueError, RuntimeError) as err:
-        return {"error": f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"}
+        return TrainerStateResult(error=f"{type(err).__name__}: {str(err).strip().splitlines()[0]}")
     opt = trainer.optimizer
     opt = getattr(opt, "optimizer", opt)  # accelerate wraps it
-    overrides = []
-    if "bitsandbytes" in type(opt).__module__:
-        import bitsandbytes as bnb
+    return TrainerStateResult(
+        optimizer_class=f"{type(opt).__module__}.{type(opt).__name__}",
+        hyper=_hyper_parameters(opt),
+        overrides=_bnb_overrides(model, opt),
+        state=read_state(model, opt),
+    )
 
-        manager = bnb.optim.GlobalOptimManager.get_instance()
-        names = {id(m): n for n, m in model.named_modules()}
-        overrides = [
-            (names.get(id(m), "?"), attr, cfg)
-            for m, attr, cfg in manager.module_weight_config_triple
-        ]
+
+def _trained(model, data, optim: str, steps: int, seed: int, device: torch.device):
+    """A quiet Trainer with ``optim=optim``, after ``steps`` steps of batch 4 at lr 1e-3."""
+    import tempfile
+    import warnings
+    from pathlib import Path
+
+    from transformers import Trainer
+
+    args = trainer_arguments(
+        str(Path(tempfile.gettempdir()) / "course-trainer-06"), device,
+        optim=optim, max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3,
+        seed=seed,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # quiet: no log lines, we report what it built
+        trainer = quiet_trainer(Trainer(model=model, args=args, train_dataset=data))
+        trainer.train()
+    return trainer
+
+
+def _bnb_overrides(model: torch.nn.Module, opt) -> list[tuple]:
+    """(module name, attribute, config) of bitsandbytes' 32-bit overrides; [] for torch's."""
+    if "bitsandbytes" not in type(opt).__module__:
+        return []
+    import bitsandbytes as bnb
+
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    names = {id(m): n for n, m in model.named_modules()}
+    return [
+        (names.get(id(m), "?"), attr, cfg) for m, attr, cfg in manager.module_weight_config_triple
+    ]
+
+
+def _hyper_parameters(opt) -> dict:
+    """The optimizer's plain hyper-parameters, with bitsandbytes' 8-bit settings."""
     hyper = {k: v for k, v in opt.defaults.items() if isinstance(v, (int, float, bool, tuple))}
     if hasattr(opt, "args"):  # bitsandbytes keeps optim_bits and min_8bit_size here
         hyper.update({k: getattr(opt.args, k) for k in ("optim_bits", "min_8bit_size")})
-    return {
-        "class": f"{type(opt).__module__}.{type(opt).__name__}",
-        "hyper": hyper,
-        "overrides": overrides,
-        "state": read_state(model, opt),
-    }
+    return hyper
