@@ -10,6 +10,7 @@ import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
 from helpers.lessons.gradient_checkpointing import (
+    PairedTimingResult,
     block_stack,
     enable_checkpointing,
     optimal_segments,
@@ -48,7 +49,7 @@ def test_checkpointed_stack_recomputes_and_gives_the_same_gradients(dropout):
 @pytest.mark.parametrize("segments", [1, 2, 4])
 def test_stack_memory_matches_the_arithmetic(segments):
     n, width, rows = 4, 32, 64
-    measured = stack_step_memory(n, width, rows, segments)["activations"]
+    measured = stack_step_memory(n, width, rows, segments).activations
     assert measured == pytest.approx(predicted_activation_bytes(n, segments, rows, width), rel=0.02)
 
 
@@ -75,6 +76,7 @@ def test_enable_checkpointing_is_quiet_and_switches_layers_on():
 def test_paired_timing_and_measure():
     cfg = RunConfig(model="bert-tiny", batch_size=2, seq_len=16, warmup=1, repeats=1, flops=False)
     paired = paired_step_times(cfg, repeats=2)
+    assert isinstance(paired, PairedTimingResult)
     assert len(paired.plain) == len(paired.checkpointed) == len(paired.forward) == 2
     assert all(r > 0 for r in paired.ratios) and math.isfinite(paired.extra_over_forward)
     plain = measure(cfg)

@@ -7,14 +7,19 @@ import torch
 
 from helpers.lessons.sdpa_flash_attention import (
     IMPLEMENTATIONS,
+    AttentionLayerConfig,
+    LayerMemoryResult,
+    OutputErrorsResult,
     attend,
     attention_ops,
     backend_problem,
     flash_attn_2_problem,
+    layer_memories,
     layer_memory,
     make_qkv,
     output_errors,
     power_law_exponent,
+    power_law_figure,
 )
 
 EAGER = ["manual", "hf-eager", "sdpa-math"]
@@ -31,9 +36,9 @@ def test_eager_versions_match_sdpa():
 
 def test_output_errors_are_small_in_fp32():
     found = output_errors(EAGER, seq=64, head_dim=16, dtype=torch.float32, heads=2)
-    assert set(found["errors"]) == set(EAGER)
-    for err in found["errors"].values():
-        assert err < 16 * torch.finfo(torch.float32).eps * found["max_v"]
+    assert isinstance(found, OutputErrorsResult) and set(found.errors) == set(EAGER)
+    for err in found.errors.values():
+        assert err < 16 * torch.finfo(torch.float32).eps * found.max_v
 
 
 def test_math_backend_always_runs_and_unknown_names_fail():
@@ -53,19 +58,48 @@ def test_cpu_flash_kernel_is_what_sdpa_picks():
 
 def test_memory_quadratic_for_eager_linear_for_flash():
     seqs = [64, 128, 256]
-    manual = [layer_memory("manual", 1, 2, s, 8)["peak"] for s in seqs]
+    layer = AttentionLayerConfig(batch=1, heads=2, head_dim=8)
+    manual = [layer_memory("manual", layer, s).peak for s in seqs]
     assert power_law_exponent(seqs, manual) > 1.7
     # The saved probabilities alone are b*h*s^2 fp32 numbers.
     assert manual[-1] > 2 * 256 * 256 * 4
     if backend_problem("sdpa-flash", head_dim=8) is None:
-        flash = [layer_memory("sdpa-flash", 1, 2, s, 8)["peak"] for s in seqs]
+        flash = [m.peak for m in layer_memories("sdpa-flash", layer, seqs)]
         assert power_law_exponent(seqs, flash) < 1.3
+
+
+def test_layer_memory_result_counts_the_inputs_and_keeps_categories_for_records():
+    layer = AttentionLayerConfig(batch=1, heads=2, head_dim=8)
+    mem = layer_memory("manual", layer, 16)
+    assert isinstance(mem, LayerMemoryResult)
+    assert mem.inputs == 4 * (1 * 2 * 16 * 8) * 4  # q, k, v and the output gradient, fp32
+    assert mem.allocator is None  # no caching allocator on the CPU
+    assert mem.categories() == {
+        "peak": mem.peak,
+        "activations": mem.activations,
+        "temporaries": mem.temporaries,
+        "inputs": mem.inputs,
+    }
 
 
 def test_power_law_exponent_recovers_known_slopes():
     xs = [1, 2, 4, 8]
     assert power_law_exponent(xs, [3 * x**2 for x in xs]) == pytest.approx(2.0)
     assert power_law_exponent(xs, [5 * x for x in xs]) == pytest.approx(1.0)
+
+
+def test_power_law_figure_draws_the_series_and_two_guides_on_log_axes():
+    seqs, spans = [64, 128, 256], [(0.5, 2.0), (3.0, 5.0), (15.0, 17.0)]
+    fig = power_law_figure(seqs, {"manual": [1.0, 4.0, 16.0]}, "MiB", ranges={"manual": spans})
+    ax = fig.axes[0]
+    assert [line.get_label() for line in ax.get_lines()][-2:] == ["∝ s² guide", "∝ s guide"]
+    assert (ax.get_xscale(), ax.get_yscale()) == ("log", "log")
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == [
+        "manual",
+        "∝ s guide",
+        "∝ s² guide",
+    ]
+    assert tuple(fig.get_size_inches()) == (6.5, 4)
 
 
 def test_implementations_listed():

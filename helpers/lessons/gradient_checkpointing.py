@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from helpers.memory import CategoryTracker
+from helpers.memory import CategoryPeaks, CategoryTracker
 from helpers.models import enable_checkpointing
 
 
@@ -77,7 +77,7 @@ def optimal_segments(n_blocks: int, rows: int, width: int, expansion: int = 1) -
 
 def stack_step_memory(
     n_blocks: int, width: int, rows: int, segments: int, expansion: int = 1, seed: int = 0
-) -> dict:
+) -> CategoryPeaks:
     """Exact per-category peaks (bytes) of forward + backward through a Block stack.
 
     ``segments`` = 1 stores everything (no checkpointing); otherwise
@@ -95,18 +95,18 @@ def stack_step_memory(
             y = checkpoint_sequential(stack, segments, x, use_reentrant=False)
         y.square().mean().backward()
         del y
-    return tracker.peaks().as_dict()
+    return tracker.peaks()
 
 
 def segment_sweep(
     n_blocks: int, width: int, rows: int, segment_counts: list[int], expansion: int = 1
-) -> dict[int, dict]:
-    """``stack_step_memory`` for each segment count: {segments: per-category peaks}."""
+) -> dict[int, CategoryPeaks]:
+    """``stack_step_memory`` for each segment count: {segments: its per-category peaks}."""
     return {s: stack_step_memory(n_blocks, width, rows, s, expansion) for s in segment_counts}
 
 
 @dataclass
-class PairedTiming:
+class PairedTimingResult:
     """Step times of the same training run without and with checkpointing, measured in turns."""
 
     plain: list[float] = field(default_factory=list)  # seconds per optimizer step
@@ -139,7 +139,7 @@ class PairedTiming:
                            "forward": self.forward, "extra": extra})  # fmt: skip
 
 
-def paired_step_times(cfg, repeats: int = 20) -> PairedTiming:
+def paired_step_times(cfg, repeats: int = 20) -> PairedTimingResult:
     """Time ``cfg`` without and with checkpointing in alternating steps, in this process.
 
     One model and one optimizer take every step; checkpointing is switched on and off
@@ -170,7 +170,7 @@ def paired_step_times(cfg, repeats: int = 20) -> PairedTiming:
     for _ in range(max(1, cfg.warmup)):
         step(False)
         step(True)
-    out = PairedTiming()
+    out = PairedTimingResult()
     for i in range(repeats):
         order = (False, True) if i % 2 == 0 else (True, False)
         times = {checkpointed: step(checkpointed) for checkpointed in order}

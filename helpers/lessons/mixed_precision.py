@@ -62,7 +62,7 @@ class FloatFormat:
         return 2.0**-self.mantissa_bits
 
     def as_row(self) -> dict:
-        """One table row."""
+        """The format as one table row, by column title (a serialiser, like ``as_dict``)."""
         return {
             "bits": self.bits,
             "exponent bits": self.exponent_bits,
@@ -82,7 +82,11 @@ def float_format(name: str) -> FloatFormat:
 
 
 def cpu_16bit_instructions() -> dict[str, bool] | None:
-    """Whether this CPU has bf16 / fp16 arithmetic instructions (Linux flags); None if unknown."""
+    """Whether this CPU has bf16 / fp16 arithmetic instructions (Linux flags); None if unknown.
+
+    A mapping by precision name ({"bf16": ..., "fp16": ...}), looked up with the name of the
+    precision at hand (``flags[precision]``).
+    """
     try:
         with open("/proc/cpuinfo") as f:
             flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))

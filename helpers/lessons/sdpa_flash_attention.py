@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from helpers.timing import Comparison
 
 # The SDPA backends by the names the lesson uses. cuDNN's kernel exists on recent NVIDIA GPUs.
 BACKENDS = {
@@ -156,15 +161,43 @@ def attention_dtype(device) -> torch.dtype:
     return torch.float32
 
 
-def layer_memory(
-    name: str,
-    batch: int,
-    heads: int,
-    seq: int,
-    head_dim: int,
-    dtype: str = "fp32",
-    device: str = "cpu",
-) -> dict:
+@dataclass(frozen=True)
+class AttentionLayerConfig:
+    """The attention layer the measuring functions build: sizes, number format, device."""
+
+    batch: int
+    heads: int
+    head_dim: int
+    dtype: str = "fp32"  # a key of DTYPES
+    device: str = "cpu"  # a device name (a string, so the config travels to a fresh process)
+
+    def qkv(self, seq: int) -> tuple[torch.Tensor, ...]:
+        """``make_qkv`` at sequence length ``seq``: q, k, v and an output gradient."""
+        device = torch.device(self.device)
+        return make_qkv(self.batch, self.heads, seq, self.head_dim, DTYPES[self.dtype], device)
+
+
+@dataclass
+class LayerMemoryResult:
+    """Bytes of one attention forward+backward at one sequence length."""
+
+    peak: int  # everything created inside: saved tensors, scratch, the gradients
+    activations: int  # created in forward (saved for backward or scratch)
+    temporaries: int  # created in backward, q/k/v gradients included
+    inputs: int  # q, k, v and the output gradient, made before tracking
+    allocator: int | None  # the allocator's growth: everything, kernels' scratch too (GPU only)
+
+    def categories(self) -> dict[str, int]:
+        """The tracker's exact counts by category, for a Record's ``memory``."""
+        return {
+            "peak": self.peak,
+            "activations": self.activations,
+            "temporaries": self.temporaries,
+            "inputs": self.inputs,
+        }
+
+
+def layer_memory(name: str, layer: AttentionLayerConfig, seq: int) -> LayerMemoryResult:
     """Exact bytes of one attention forward+backward (CategoryTracker); for call_isolated.
 
     One untracked forward+backward runs first: on a GPU it allocates what stays allocated
@@ -174,8 +207,8 @@ def layer_memory(
     """
     from helpers.memory import CategoryTracker, allocator_baseline, allocator_growth
 
-    device = torch.device(device)
-    q, k, v, grad = make_qkv(batch, heads, seq, head_dim, DTYPES[dtype], device)
+    device = torch.device(layer.device)
+    q, k, v, grad = layer.qkv(seq)
     inputs = sum(t.numel() * t.element_size() for t in (q, k, v, grad))
     _forward_backward(name, q, k, v, grad)  # warm-up, see above
     q.grad = k.grad = v.grad = None
@@ -186,13 +219,13 @@ def layer_memory(
         out.backward(grad)
         del out
     peaks = tracker.peaks()
-    return {
-        "peak": peaks.peak,  # everything created inside: saved tensors, scratch, the gradients
-        "activations": peaks.activations,  # created in forward (saved for backward or scratch)
-        "temporaries": peaks.temporaries,  # created in backward, q/k/v gradients included
-        "inputs": inputs,  # q, k, v and the output gradient, made before tracking
-        "allocator": allocator_growth(device, baseline),  # everything, kernels' scratch too
-    }
+    return LayerMemoryResult(
+        peak=peaks.peak,
+        activations=peaks.activations,
+        temporaries=peaks.temporaries,
+        inputs=inputs,
+        allocator=allocator_growth(device, baseline),
+    )
 
 
 def _forward_backward(name: str, q, k, v, grad) -> None:
@@ -202,34 +235,24 @@ def _forward_backward(name: str, q, k, v, grad) -> None:
 
 
 def layer_memories(
-    name: str,
-    batch: int,
-    heads: int,
-    seqs: list[int],
-    head_dim: int,
-    dtype: str = "fp32",
-    device: str = "cpu",
-) -> list[dict]:
+    name: str, layer: AttentionLayerConfig, seqs: list[int]
+) -> list[LayerMemoryResult]:
     """``layer_memory`` for each sequence length (one implementation; call it isolated).
 
     A fresh tracker per length makes each number exact on its own, and no other
     implementation's cached buffers share the process.
     """
-    return [layer_memory(name, batch, heads, s, head_dim, dtype, device) for s in seqs]
+    return [layer_memory(name, layer, s) for s in seqs]
 
 
 def layer_time_rounds(
     names: list[str],
-    batch: int,
-    heads: int,
+    layer: AttentionLayerConfig,
     seqs: list[int],
-    head_dim: int,
-    dtype: str = "fp32",
-    device: str = "cpu",
     warmup: int = 1,
     rounds: int = 5,
     claims=(),
-) -> dict:
+) -> dict[int, Comparison]:
     """Forward+backward of every implementation, timed in turns at each sequence length.
 
     {sequence length: ``helpers.timing.Comparison``}: at each length the implementations'
@@ -239,14 +262,10 @@ def layer_time_rounds(
     """
     from helpers.timing import compare_calls
 
-    device = torch.device(device)
+    device = torch.device(layer.device)
     out = {}
     for seq in seqs:
-        calls = {
-            name: partial(_forward_backward, name, *make_qkv(batch, heads, seq, head_dim,
-                                                             DTYPES[dtype], device))
-            for name in names
-        }  # fmt: skip
+        calls = {name: partial(_forward_backward, name, *layer.qkv(seq)) for name in names}
         out[seq] = compare_calls(calls, device, warmup=warmup, rounds=rounds,
                                  claims=claims if seq == seqs[-1] else ())  # fmt: skip
     return out
@@ -278,6 +297,14 @@ def attention_ops(fn) -> list[str]:
     return list(dict.fromkeys(n for n in recorder.names if any(w in n for w in wanted)))
 
 
+@dataclass
+class OutputErrorsResult:
+    """How far each implementation's output is from the exact (fp64) attention."""
+
+    errors: dict[str, float]  # largest |output - exact| by implementation name
+    max_v: float  # max|v|: no output element can exceed it (a softmax average of values)
+
+
 def output_errors(
     names,
     seq: int,
@@ -286,12 +313,11 @@ def output_errors(
     device="cpu",
     heads: int = 4,
     causal: bool = True,
-) -> dict:
+) -> OutputErrorsResult:
     """Largest |output - exact| per implementation, exact = fp64 attention of the same inputs.
 
     The inputs are rounded to ``dtype`` first and the reference is computed from those
     rounded values, so the errors are the implementations' own arithmetic, nothing else.
-    Also returns ``max|v|``: no output element can exceed it (a softmax average of values).
     """
     q, k, v, _ = make_qkv(1, heads, seq, head_dim, dtype, device, seed=1)
     with torch.no_grad():
@@ -300,7 +326,7 @@ def output_errors(
         for name in names:
             out = attend(name, q, k, v, causal).double().cpu()
             errors[name] = (out - exact).abs().max().item()
-    return {"errors": errors, "max_v": v.abs().max().item()}
+    return OutputErrorsResult(errors, v.abs().max().item())
 
 
 def power_law_exponent(xs, ys) -> float:
@@ -330,18 +356,11 @@ def power_law_figure(xs, series: dict, ylabel: str, title: str = "", ranges: dic
     ``ranges``: per series, (low, high) per point, drawn as error bars (for times: the
     slowest and the fastest of the interleaved rounds).
     """
-    from matplotlib.figure import Figure
+    from helpers.plots import lines
 
-    fig = Figure(figsize=(6.5, 4), layout="constrained")
-    ax = fig.add_subplot()
-    for name, ys in series.items():
-        spans = (ranges or {}).get(name)
-        if spans is None:
-            ax.plot(xs, ys, marker="o", label=name)
-        else:
-            low = [y - lo for y, (lo, _) in zip(ys, spans, strict=True)]
-            high = [hi - y for y, (_, hi) in zip(ys, spans, strict=True)]
-            ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, label=name)
+    fig = lines(xs, series, "sequence length s", ylabel, title, logy=True, ranges=ranges)
+    fig.set_size_inches(6.5, 4)
+    ax = fig.axes[0]
     xs = np.asarray(xs, float)
     firsts = [ys[0] for ys in series.values()]
     # Guides start at the first point of the highest and the lowest series.
@@ -350,12 +369,7 @@ def power_law_figure(xs, series: dict, ylabel: str, title: str = "", ranges: dic
         guide = start * (xs / xs[0]) ** slope
         ax.plot(xs, guide, linestyle=style, color="grey", linewidth=1.2, label=text)
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
     ax.set_xticks(xs, [str(int(x)) for x in xs])
     ax.minorticks_off()
-    ax.set_xlabel("sequence length s")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize="small")
-    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")  # again, with the guides
     return fig
