@@ -48,7 +48,10 @@ def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def split(batch: dict[str, torch.Tensor], micro: int) -> list[dict[str, torch.Tensor]]:
-    """The rows of ``batch`` cut into consecutive micro-batches of ``micro`` rows."""
+    """The rows of ``batch`` cut into consecutive micro-batches of ``micro`` rows.
+
+    A batch is transformers' keyword inputs by name (``model(**batch)``), so it stays a dict.
+    """
     rows = len(next(iter(batch.values())))
     return [{k: v[i : i + micro] for k, v in batch.items()} for i in range(0, rows, micro)]
 
@@ -58,7 +61,8 @@ def padded_causal_batch(
 ) -> dict[str, torch.Tensor]:
     """Random token rows right-padded to ``seq_len``: real tokens per row are ``lengths``.
 
-    Padded positions get attention_mask 0 and label -100, the value the loss ignores.
+    Padded positions get attention_mask 0 and label -100, the value the loss ignores. The
+    batch is transformers' keyword inputs by name, as ``model(**batch)`` takes them.
     """
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (len(lengths), seq_len), generator=g)  # (B, S)
@@ -117,13 +121,3 @@ def throughput(cfg) -> Record:
         losses=trainee.losses,
         wall_s=time.perf_counter() - t0,
     )
-
-
-def run_throughput(cfg) -> Record:
-    """``throughput(cfg)`` in a fresh process; failures come back in the Record."""
-    from helpers.isolate import call_isolated
-
-    outcome = call_isolated(throughput, cfg)
-    if outcome.error:
-        return Record(cfg.as_dict(), error=outcome.error, error_type=outcome.error_type)
-    return outcome.value

@@ -39,15 +39,15 @@ def ffn_params(model: torch.nn.Module) -> int:
 
 
 @dataclass
-class FlopCount:
+class FlopCountResult:
     """FLOPs of one forward+backward per token, and their split."""
 
-    per_token: float
+    per_token: float  # the whole model's FLOPs per token
     ffn_per_token: float  # the experts' or the dense MLP's share
-    router_per_token: float
+    router_per_token: float  # the routers' share (part of ffn_per_token)
 
 
-def train_flops_per_token(name: str, batch: int, seq_len: int) -> FlopCount:
+def train_flops_per_token(name: str, batch: int, seq_len: int) -> FlopCountResult:
     """Count forward+backward FLOPs per token with torch's FlopCounterMode.
 
     Experts run with transformers' "eager" implementation (a loop over experts, each a plain
@@ -71,21 +71,21 @@ def train_flops_per_token(name: str, batch: int, seq_len: int) -> FlopCount:
         n for mod, n in by_module.items() if re.fullmatch(r".*\.layers\.\d+\.mlp\.gate", mod)
     )
     tokens = batch * seq_len
-    return FlopCount(counter.get_total_flops() / tokens, ffn / tokens, router / tokens)
+    return FlopCountResult(counter.get_total_flops() / tokens, ffn / tokens, router / tokens)
 
 
 @dataclass
-class RouterLoad:
+class RouterLoadResult:
     """Share of top-k assignments each expert received, per layer, and the aux loss."""
 
     shares: list[list[float]]  # [layer][expert], each layer sums to 1
     aux_loss: float  # Switch-Transformer balancing loss as transformers computes it
     balanced_aux_loss: float  # its value under perfectly uniform routing
-    top_k: int
-    tokens: int
+    top_k: int  # experts each token is routed to
+    tokens: int  # tokens routed (batch x sequence)
 
 
-def router_load(name: str, batch: int, seq_len: int, seed: int = 0) -> RouterLoad:
+def router_load(name: str, batch: int, seq_len: int, seed: int = 0) -> RouterLoadResult:
     """Route one batch of random tokens through a sparse model and count assignments."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
@@ -105,4 +105,4 @@ def router_load(name: str, batch: int, seq_len: int, seed: int = 0) -> RouterLoa
     aux = load_balancing_loss_func(out.router_logits, n_exp, k)
     # Uniform routing: each expert gets k/E of the tokens and 1/E of the probability, so the
     # loss E * sum_e f_e * P_e equals E * E * (k/E) * (1/E) = k.
-    return RouterLoad(shares, float(aux), float(k), k, batch * seq_len)
+    return RouterLoadResult(shares, float(aux), float(k), k, batch * seq_len)
