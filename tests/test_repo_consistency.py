@@ -247,3 +247,34 @@ def test_every_lesson_with_speed_claims_runs_under_the_load_test():
     assert with_claims, "no notebook checks speed claims: the test looks for the wrong call"
     missing = {name for name in with_claims if name not in listed}
     assert not missing, f"add to TIMING_NOTEBOOKS in the Makefile: {sorted(missing)}"
+
+
+# --------------------------------------------------------------------------------------------
+# (e) The package's shape: short functions, one opening line per lesson
+
+MAX_FUNCTION_LINES = 60  # a function a reader takes in at once (README, "Conventions")
+
+
+def test_no_function_in_helpers_is_longer_than_a_screen():
+    import ast
+
+    long = []
+    for path in sorted((ROOT / "helpers").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines})")
+    assert not long, "cut these into named steps: " + ", ".join(long)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_opens_with_its_own_lesson(path: Path):
+    # The one-line opener (helpers.lesson) names the lesson the file is: a copied notebook
+    # that kept another lesson's number would file its records under the wrong lesson.
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    number = path.name[:2]
+    assert re.search(rf'^L = lesson\("{number}"\)$', code, re.M), f"{path.name}: no L = lesson"
+    assert "LESSON = " not in code and "results.save(" not in code, f"{path.name}: old opener"
