@@ -2,7 +2,7 @@
 #
 #   make test      lint, the helpers' tests, the preflight, and every notebook executed with nbval
 #   make course    execute every notebook in order, keep the executed copies, print the summary
-#                  table and, last, the capstone's ablation next to the seed's
+#                  table and, last, the capstone's ablation next to the guide's V100 run
 #   make lab       start JupyterLab on the notebooks
 #   make preflight try every hardware feature the lessons use on this machine (hosts: run it first)
 #   make load-test the timing lessons three times under nbval with a bursty CPU load running

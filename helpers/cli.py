@@ -230,7 +230,7 @@ def _capstone(args) -> int:
     view = device_memory(records["vanilla"])[1] if "vanilla" in records else "?"
     with pd.option_context("display.width", 200, "display.max_columns", None):
         print(
-            f"The seed's ablation on {any_rec.device.get('name', '?')} "
+            f"Lesson 14's ablation on {any_rec.device.get('name', '?')} "
             f"({any_rec.config.get('model')}, seq {any_rec.config.get('seq_len')}; memory: "
             f"{view}) against {SEED_DEVICE}, each as a ratio to its own vanilla run:"
         )

@@ -62,7 +62,7 @@ class Scale:
         return RunConfig(**{**sizes, **overrides})
 
 
-# The full scale is the seeds' experiment: bert-large, sequence length 512, batch 4, 16 GB budget;
+# The full scale is the guides' experiment: bert-large, sequence length 512, batch 4, 16 GB budget;
 # on a given card ``get_scale`` fits it (helpers.fullscale).
 FULL = Scale("full", "bert-large", "llama-400m", 4, 512, 2, 5, 200, 16 * GiB, 8, 2048)
 # The tiny scale keeps every notebook near a minute on 2 CPU cores. Its budget is scaled so that

@@ -150,8 +150,9 @@ def flops_utilisation(
     return (None if recomputes else util), util
 
 
-# The three groups of operations in a transformer (seed 004, after Ivanov et al. 2020,
-# "Data Movement Is All You Need"): contractions, statistical normalisations, element-wise.
+# The three groups of operations in a transformer ("Model training anatomy", Transformers docs,
+# after Ivanov et al. 2020, "Data Movement Is All You Need"): contractions, statistical
+# normalisations, element-wise.
 _CONTRACTIONS = re.compile(
     r"^(mm|bmm|addmm|addbmm|baddbmm|matmul|linear|einsum|conv\w*|\w*scaled_dot_product\w*"
     r"|\w*flash\w*|\w*efficient_attention\w*)$"

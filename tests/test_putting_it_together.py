@@ -27,7 +27,7 @@ def test_recipes_keep_the_effective_batch_and_change_one_thing_each():
         assert cfg.precision == ("fp16" if recipe.half else "fp32")
         assert cfg.optimizer == recipe.optimizer
         assert (cfg.model, cfg.seq_len) == ("bert-tiny", 16)
-    # The seed's own effective batches: 4 x 1 or 1 x 4.
+    # The guide's own effective batches: 4 x 1 or 1 x 4.
     assert {(r.batch_size, r.grad_accum) for r in SEED_RECIPES} == {(4, 1), (1, 4)}
 
 
@@ -58,14 +58,14 @@ def test_table_divides_each_side_by_its_own_vanilla():
     assert table.loc["vanilla", "speed ratio"] == 1.0
     assert table.loc["16-bit", "speed ratio"] == pytest.approx(2.5)
     assert table.loc["16-bit", "memory ratio"] == pytest.approx(0.8)
-    assert table.loc["16-bit", "seed speed ratio"] == pytest.approx(18.64 / 8.86)
-    assert table.loc["16-bit", "seed memory ratio"] == pytest.approx(13939 / 14949)
+    assert table.loc["16-bit", "V100 speed ratio"] == pytest.approx(18.64 / 8.86)
+    assert table.loc["16-bit", "V100 memory ratio"] == pytest.approx(13939 / 14949)
     assert table.loc["Adafactor", "status"] == "oom"
     assert table.loc["8-bit AdamW", "status"] == "not run"
     assert table["speed ratio"].isna().sum() == 7  # only measured rows get ratios
 
 
-def test_nvml_is_preferred_when_measured_as_the_seed_read_nvidia_smi():
+def test_nvml_is_preferred_when_measured_as_the_guide_read_nvidia_smi():
     records = {
         "vanilla": _record("vanilla", 10.0, 100, nvml=1000),
         "16-bit": _record("16-bit", 20.0, 10, nvml=900),
@@ -98,7 +98,7 @@ def test_cli_prints_the_capstone_table(tmp_path, capsys):
     row = next(line for line in out.splitlines() if line.startswith("bs1 + accum 4 "))
     numbers = [float(x) for x in row.removeprefix("bs1 + accum 4").split()[:-1]]
     assert 0.8 in numbers and 0.6 in numbers  # ours: speed 8/10, memory 60/100
-    assert 0.87 in numbers and 0.58 in numbers  # the seed's: 7.75/8.86, 8681/14949
+    assert 0.87 in numbers and 0.58 in numbers  # the guide's: 7.75/8.86, 8681/14949
 
 
 def test_speed_ratio_is_the_median_of_the_rounds_when_both_come_from_one_comparison():

@@ -278,3 +278,26 @@ def test_notebook_opens_with_its_own_lesson(path: Path):
     number = path.name[:2]
     assert re.search(rf'^L = lesson\("{number}"\)$', code, re.M), f"{path.name}: no L = lesson"
     assert "LESSON = " not in code and "results.save(" not in code, f"{path.name}: old opener"
+
+
+# --------------------------------------------------------------------------------------------
+# (f) Sources a learner can follow: named and linked, never an internal "seed" name
+
+INTERNAL_SOURCE_NAME = re.compile(r"\bseed\s+00\d|\bseed's\b|\bseeds'", re.I)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_ends_with_linked_resources(path: Path):
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    last = "".join(cells[-1]["source"])
+    assert cells[-1]["cell_type"] == "markdown" and last.startswith("## Resources and references")
+    assert re.search(r"\]\(https?://", last), f"{path.name}: its references carry no link"
+
+
+@pytest.mark.parametrize(
+    "path", [*NOTEBOOKS, ROOT / "README.md", ROOT / "Makefile"], ids=lambda p: p.name
+)
+def test_no_internal_source_names_for_learners(path: Path):
+    # "seed 002" was the course's own name for a guide: a learner cannot look it up.
+    hits = INTERNAL_SOURCE_NAME.findall(path.read_text(encoding="utf-8"))
+    assert not hits, f"{path.name}: name the guide and link it instead of {hits}"

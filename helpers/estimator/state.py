@@ -40,7 +40,8 @@ def training_state(
     absmax blocks, ignoring its fp32 small tensors); Adafactor depends on tensor shapes, use
     ``optimizer_state_bytes``. ``master_copy`` adds the 4 B fp32 master weight that mixed
     precision keeps when the weights themselves are 16-bit (``weight_bytes=2``): with it,
-    AdamW is the seed's 12 B per trainable parameter (84 GB for 7B, 2.4 GB for 0.2B of LoRA).
+    AdamW is the single-GPU guide's 12 B per trainable parameter (84 GB for 7B, 2.4 GB for
+    0.2B of LoRA).
     ``n_tensors`` adds AdamW's 4-byte step per trainable tensor.
     """
     n_trainable = n_params if n_trainable is None else n_trainable

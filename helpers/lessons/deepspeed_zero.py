@@ -626,7 +626,7 @@ def deepspeed_estimates(n_params: int, largest_layer: int) -> dict[str, Estimate
 
 @dataclass
 class PlanResult:
-    """The seed's decision tree applied to one model, with the numbers behind the choice."""
+    """The single-GPU guide's DeepSpeed decision tree applied to one model, and its numbers."""
 
     choice: str  # "plain" | "ZeRO-2 + offload optimizer" | "ZeRO-3 + offload ..." | "NVMe ..."
     device_need: int  # bytes the chosen setup needs on the device (model states + activations)
@@ -642,7 +642,7 @@ def plan(
     host_ram: int,
     bytes_per_param: int = BYTES_PER_PARAM,
 ) -> PlanResult:
-    """Fits -> no DeepSpeed; else ZeRO-2, then ZeRO-3 with CPU offload; else NVMe (seed 000).
+    """Fits: no DeepSpeed; else ZeRO-2, then ZeRO-3 with CPU offload; else NVMe (single-GPU guide).
 
     fp32 arithmetic of this course: weights 4 B/param on the device with ZeRO-2; ZeRO-3 keeps
     only the largest layer's weights and gradients there; the host holds the rest with the same

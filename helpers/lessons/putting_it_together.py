@@ -1,8 +1,9 @@
 """Lesson 14, sections 1-6 (notebooks/14_putting_it_together.ipynb).
 
-The seed's ablation (its single-GPU guide, V100 16 GB) rebuilt as RunConfigs, and its table.
+The ablation of "Efficient Training on a Single GPU" (Transformers v4.30 docs, V100 16 GB)
+rebuilt as RunConfigs, and its table.
 
-Seed 002 trains bert-large (sequence length 512, 512 samples, effective batch 4) with the
+That guide trains bert-large (sequence length 512, 512 samples, effective batch 4) with the
 Trainer nine ways and prints samples/s and the GPU memory nvidia-smi reports. Its figures are
 kept here as published; the course compares them with a run on the learner's machine as
 ratios to each side's vanilla run, because absolute numbers from a V100 and from (say) a
@@ -27,19 +28,20 @@ from helpers.train import RunConfig
 
 @dataclass(frozen=True)
 class Recipe:
-    """One row of the seed's ablation: what it changes and what the seed measured."""
+    """One row of the guide's ablation: what it changes and what the guide measured."""
 
     label: str
     batch_size: int
     grad_accum: int
     checkpointing: bool
-    half: bool  # 16-bit mixed precision (the seed used fp16)
+    half: bool  # 16-bit mixed precision (the guide used fp16)
     optimizer: str
     seed_samples_per_s: float
     seed_mb: int  # nvidia-smi "GPU memory occupied", MB (CUDA context included)
 
 
-# Seed 002 ("Efficient Training on a Single GPU", transformers v4.30 docs), its printed results.
+# "Efficient Training on a Single GPU" (Transformers v4.30 docs): its printed V100 results.
+# https://huggingface.co/docs/transformers/v4.30.0/en/perf_train_gpu_one
 SEED_RECIPES = (
     Recipe("vanilla", 4, 1, False, False, "adamw", 8.86, 14949),
     Recipe("bs1 + accum 4", 1, 4, False, False, "adamw", 7.75, 8681),
@@ -51,12 +53,12 @@ SEED_RECIPES = (
     Recipe("8-bit AdamW", 4, 1, False, False, "adamw8bit", 9.15, 13085),
     Recipe("8-bit + accum + ckpt + 16-bit", 1, 4, True, True, "adamw8bit", 10.35, 5363),
 )
-SEED_DEVICE = "Tesla V100-SXM2 16 GB (seed 002)"
-SEED_CONTEXT_MB = 1343  # the seed's nvidia-smi reading after one tiny tensor: the CUDA context
+SEED_DEVICE = "Tesla V100-SXM2 16 GB (Transformers v4.30 docs, single-GPU guide)"
+SEED_CONTEXT_MB = 1343  # the guide's nvidia-smi reading after one tiny tensor: the CUDA context
 
 
 def half_precision(device: torch.device) -> str:
-    """The 16-bit format for the ablation: fp16 as in the seed, bf16 where fp16 is refused."""
+    """The 16-bit format for the ablation: fp16 as in the guide, bf16 where fp16 is refused."""
     for name in ("fp16", "bf16"):
         if precision_problem(name, device) is None:
             return name
@@ -98,7 +100,7 @@ def speed_ratio(record: Record, vanilla: Record) -> float | None:
 
 
 def device_memory(record: Record) -> tuple[int | None, str]:
-    """The memory figure closest to the seed's: NVML (view 3) if measured, else the exact peak."""
+    """The memory figure closest to the guide's: NVML (view 3) if measured, else the exact peak."""
     if record.nvml_used:
         return record.nvml_used, "NVML device memory (view 3, as nvidia-smi)"
     if record.memory:
@@ -107,7 +109,7 @@ def device_memory(record: Record) -> tuple[int | None, str]:
 
 
 def ablation_table(records: dict[str, Record]):
-    """Ours next to the seed's, each as a ratio to its own vanilla run (a pandas DataFrame)."""
+    """Ours next to the guide's V100 run, each a ratio to its own vanilla run (a DataFrame)."""
     import pandas as pd
 
     vanilla = records.get("vanilla")
@@ -125,10 +127,10 @@ def ablation_table(records: dict[str, Record]):
                 "memory MiB": None if mem is None else mem / MiB,
                 "speed ratio": speed_ratio(rec, vanilla) if rec and vanilla else None,
                 "memory ratio": mem / base_mem if mem and base_mem else None,
-                "seed samples/s": recipe.seed_samples_per_s,
-                "seed MB": recipe.seed_mb,
-                "seed speed ratio": recipe.seed_samples_per_s / seed0.seed_samples_per_s,
-                "seed memory ratio": recipe.seed_mb / seed0.seed_mb,
+                "V100 samples/s": recipe.seed_samples_per_s,
+                "V100 MB": recipe.seed_mb,
+                "V100 speed ratio": recipe.seed_samples_per_s / seed0.seed_samples_per_s,
+                "V100 memory ratio": recipe.seed_mb / seed0.seed_mb,
                 "status": "not run" if rec is None else ("ok" if rec.ok else rec.error_type),
             }
         )
@@ -136,7 +138,7 @@ def ablation_table(records: dict[str, Record]):
 
 
 def latest_records(records: list[Record], lesson: str = "14") -> dict[str, Record]:
-    """The newest record of each seed recipe from a results store's records."""
+    """The newest record of each of the guide's recipes from a results store's records."""
     labels = {r.label for r in SEED_RECIPES}
     out: dict[str, Record] = {}
     for rec in records:
@@ -146,17 +148,17 @@ def latest_records(records: list[Record], lesson: str = "14") -> dict[str, Recor
 
 
 def tradeoff_figure(table, title: str = "") -> Figure:
-    """Memory ratio against speed ratio, ours and the seed's, one point per recipe."""
+    """Memory ratio against speed ratio, ours and the guide's V100, one point per recipe."""
     fig = Figure(figsize=(7.5, 5), layout="constrained")
     ax = fig.add_subplot()
     ours = table.dropna(subset=["speed ratio", "memory ratio"])
     ax.scatter(ours["memory ratio"], ours["speed ratio"], color="#4C72B0", label="this machine")
     ax.scatter(
-        table["seed memory ratio"],
-        table["seed speed ratio"],
+        table["V100 memory ratio"],
+        table["V100 speed ratio"],
         color="#C44E52",
         marker="s",
-        label="seed, V100",
+        label="v4.30 guide, V100",
     )
     for name, row in table.iterrows():
         short = SHORT.get(name, name)
@@ -171,7 +173,7 @@ def tradeoff_figure(table, title: str = "") -> Figure:
             )
         ax.annotate(
             short,
-            (row["seed memory ratio"], row["seed speed ratio"]),
+            (row["V100 memory ratio"], row["V100 speed ratio"]),
             fontsize=7,
             xytext=(3, -9),
             textcoords="offset points",
