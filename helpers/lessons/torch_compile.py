@@ -28,8 +28,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from helpers.train import train_step
-
 # -------------------------------------------------------------------------------------------
 # Seeing what dynamo captures
 
@@ -438,6 +436,8 @@ class _Copies:
 
     def step(self, name: str, keep: bool = False) -> None:
         """The base training step of copy ``name``; ``keep``: keep its loss and gradients."""
+        from helpers.train import train_step  # at call time: importing transformers costs ~1.6 s
+
         on_gradients = (lambda: self._keep_gradients(name)) if keep else None
         loss = train_step(
             self.models[name], self.optimizers[name], [self.x],
