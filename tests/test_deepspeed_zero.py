@@ -184,3 +184,38 @@ def test_zero_step_is_a_contender_timed_in_turns_with_a_plain_step():
     out = compare_benches(contenders, "cpu", rounds=2, max_rounds=2)
     assert not out.errors, out.errors
     assert out.rounds == 2 and all(t > 0 for times in out.times.values() for t in times)
+
+
+def test_a_zero_run_on_a_gpu_reads_the_allocator_after_a_reset(monkeypatch):
+    # measure_zero's CUDA branch, driven on a fake card with a stand-in engine: the tracked
+    # step resets the allocator's peaks first (the warm-up's spike must not count), tracks
+    # nothing itself, and the record's device memory is the allocator's peak of that step.
+    from types import SimpleNamespace
+
+    from helpers.timing import Timing
+    from tests.fake_gpu import PROFILES, FakeGpu
+
+    fake = FakeGpu(monkeypatch, [PROFILES["a100-40"]])
+    cuda = torch.device("cuda", 0)
+    fake.allocate(50 * MiB)  # what lives through the steps
+    fake.alloc[0].peak_allocated = 500 * MiB  # a warm-up spike before the tracked step
+    run = zero.ZeroConfig(stage=2, offload_params=False, device="cuda")
+    module = torch.nn.Linear(4, 4)
+    setup = zero._ZeroSetup(
+        engine=SimpleNamespace(module=module),
+        ds_optimizer=SimpleNamespace(),
+        batch={},
+        ds_config={"zero_optimization": {"stage": 2}},
+        n_params=20,
+    )
+
+    def step():
+        fake.events.append("step")
+        fake.allocate(10 * MiB)
+
+    assert zero._tracked_step(step, setup, run, cuda) is None
+    assert fake.events[-2:] == ["reset peaks", "step"]
+    record = zero._zero_record(run, cuda, setup, None, Timing(0.5, [0.5]), [1.0], t0=0.0)
+    assert record.memory == {"peak": 60 * MiB}  # the step's peak, not the warm-up's
+    assert record.allocator["allocated"] == 60 * MiB and "A100" in record.device["name"]
+    assert record.extra["resident_params"] == 20 * 4 and record.config["zero"] == {"stage": 2}

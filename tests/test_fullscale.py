@@ -165,3 +165,20 @@ def test_lesson_05_times_a_shape_where_16_bit_can_be_faster(fitted):
             continue
         assert ratio(name, scale.max_batch * scale.seq_len) < 0.7, key
     assert ratio(card("h100").name, 4 * 64) > 0.8  # the old shape: launch-bound
+
+
+def test_lesson_opener_on_a_gpu_fits_the_scale_to_the_card(monkeypatch):
+    # helpers.lesson's CUDA branch: the device is the card, the scale is fitted to it, the
+    # report is the card's, and what the learner reads first names it.
+    from helpers.lesson import lesson
+
+    monkeypatch.delenv("COURSE_SCALE", raising=False)
+    monkeypatch.delenv("COURSE_DEVICE", raising=False)
+    FakeGpu(monkeypatch, [PROFILES["t4"]])
+    L = lesson("05")
+    assert L.device.type == "cuda" and L.scale.name == "full" and "Tesla T4" in L.scale.card
+    assert "Tesla T4" in L.report.name and L.report.total_memory > 14 * 2**30
+    assert str(L).startswith("Lesson 05. scale=full on cuda") and "fitted to Tesla T4" in str(L)
+    cfg = L.run_config(model="decoder", precision="bf16")
+    assert (cfg.model, cfg.batch_size, cfg.seq_len) == (L.scale.decoder, 4, L.scale.seq_len)
+    assert (cfg.warmup, cfg.repeats, cfg.precision) == (L.scale.warmup, L.scale.repeats, "bf16")
