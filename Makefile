@@ -110,6 +110,8 @@ check-env:
 # Tests: lint, helpers' tests, notebooks. All three run; the target fails if any failed.
 
 test lint test-unit preflight test-notebooks: export COURSE_RESULTS := $(TEST_RESULTS)
+# No progress bars in test runs: nobody watches them (helpers/progress.py).
+test lint test-unit preflight test-notebooks load-test: export COURSE_PROGRESS := 0
 
 test:
 	@rm -f $(TEST_RESULTS) $(CLAIMS)
@@ -182,10 +184,14 @@ load-course: $(ENV_READY)
 	trap 'kill $$load 2>/dev/null' EXIT; \
 	$(MAKE) --no-print-directory course
 
+# The course's JupyterLab defaults (tools/lab-settings/overrides.json): no pop-up asking about
+# Jupyter news over every notebook, no update checks (the versions are pinned).
+LAB_ARGS := --LabApp.app_settings_dir=$(CURDIR)/tools/lab-settings
+
 lab: export COURSE_RESULTS := $(COURSE_RESULTS_FILE)
 lab: $(ENV_READY)
 	@mkdir -p build
-	$(PYTHON) -m jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/
+	$(PYTHON) -m jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS) notebooks/
 
 # ---------------------------------------------------------------------------------------------
 # Housekeeping

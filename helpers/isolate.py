@@ -102,6 +102,9 @@ def capture(fn: Callable, args=(), kwargs=None, catch: type = Exception) -> Outc
 
 
 def _child(conn, fn, args, kwargs) -> None:
+    from helpers.progress import quiet_here
+
+    quiet_here()  # a bar in this process would reach the kernel's log, not the notebook
     try:  # in the child even KeyboardInterrupt or SystemExit comes back as an Outcome
         conn.send(capture(fn, args, kwargs, catch=BaseException))
     finally:
@@ -198,8 +201,10 @@ def _bench_worker(conn, spec: Bench, device: str, warmup: int) -> None:
     """A contender's process: build it, warm it up, then time calls until told to stop."""
     import torch
 
+    from helpers.progress import quiet_here
     from helpers.timing import time_fn
 
+    quiet_here()
     try:
         call = spec.build()
         time_fn(call, torch.device(device), warmup=warmup, repeats=1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, NullLocator
 
 from helpers.names import MiB
 
@@ -25,9 +25,39 @@ CATEGORY_COLORS = {
 }
 
 
+# The categories a training step's memory is split into, in stacking order.
+STEP_CATEGORIES = ("params", "gradients", "optimizer_state", "activations", "temporaries")
+
+
+def plain_ticks(ax, x: Sequence[float] | None = None) -> None:
+    """Plain numbers on log axes: ticks at the data points ``x`` (if given), no minor labels."""
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+        if scale == "log":
+            axis.set_major_formatter(plain)
+            axis.set_minor_formatter(NullFormatter())
+    if x is not None and ax.get_xscale() == "log":
+        ax.set_xticks(list(x), [f"{v:g}" for v in x])
+        ax.xaxis.set_minor_locator(NullLocator())
+
+
+def legend_outside(ax, **options) -> None:
+    """The legend to the right of the axes, where it cannot cover a bar or a point."""
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), **options)
+
+
+def category_labels(ax, labels: Sequence[str], width: int = 14) -> None:
+    """Run labels under bars, wrapped at ``width`` characters and slanted so none overlap."""
+    import textwrap
+
+    wrapped = ["\n".join(textwrap.wrap(str(lab), width)) or str(lab) for lab in labels]
+    ax.set_xticks(range(len(labels)), wrapped, rotation=30 if len(labels) > 3 else 0,
+                  ha="right" if len(labels) > 3 else "center", fontsize="small")  # fmt: skip
+
+
 def memory_bars(
     memories: Mapping[str, Mapping[str, int]],
-    categories: Sequence[str] = ("params", "gradients", "optimizer_state", "activations"),
+    categories: Sequence[str] = STEP_CATEGORIES,
     title: str = "",
     peaks: bool = True,
 ) -> Figure:
@@ -35,8 +65,10 @@ def memory_bars(
 
     The stack adds each category's own maximum, so it can exceed the peak: categories reach
     their maxima at different moments of the step (the dot shows the real simultaneous peak).
+    Temporaries are in the stack by default, so the dot never floats above a stack that left
+    part of the peak out.
     """
-    fig = Figure(figsize=(max(5, 1.1 * len(memories) + 2), 4), layout="constrained")
+    fig = Figure(figsize=(max(5, 1.1 * len(memories) + 3), 4), layout="constrained")
     ax = fig.add_subplot()
     labels = list(memories)
     bottoms = [0.0] * len(labels)
@@ -48,8 +80,8 @@ def memory_bars(
         ax.plot(labels, [memories[lab].get("peak", 0) / MiB for lab in labels], "ko", label="peak")
     ax.set_ylabel("MiB (exact, per category)")
     ax.set_title(title)
-    ax.legend(fontsize="small")
-    ax.tick_params(axis="x", labelrotation=20)
+    legend_outside(ax)
+    category_labels(ax, labels)
     return fig
 
 
@@ -84,6 +116,7 @@ def lines(
         ax.annotate(name, (x[0], y), textcoords="offset points", xytext=(0, 3), fontsize="small")
     ax.set_xscale("log" if logx else "linear")
     ax.set_yscale("log" if logy else "linear")
+    plain_ticks(ax, x)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -122,7 +155,7 @@ def bars(
         fig.supxlabel("bar: median round; line: slowest to fastest round", fontsize="x-small")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.tick_params(axis="x", labelrotation=20)
+    category_labels(ax, list(values))
     return fig
 
 

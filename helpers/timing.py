@@ -369,9 +369,11 @@ def interleave(
     assume did not hold while it ran); left-out rounds count towards ``max_rounds`` and are
     reported in ``Comparison.left_out``.
     """
+    from helpers.progress import progress
+
     times: dict[str, list[float]] = {n: [] for n in names}
     out = Comparison(times, confidence)
-    for i in range(max_rounds):
+    for i in progress(range(max_rounds), "timing rounds (stops when decided)", unit="round"):
         if out.rounds >= rounds and out.decided(claims):
             break
         row = {name: run(name) for name in names[i % len(names) :] + names[: i % len(names)]}

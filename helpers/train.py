@@ -462,15 +462,18 @@ def _forward_backward_round(out: ForwardBackwardResult, forward, both, device) -
 
 def trainer_arguments(output_dir: str, device: torch.device | str | None = None, **overrides):
     """``TrainingArguments`` for a measured Trainer run, quiet: no reports to tracking services,
-    no checkpoints, no log lines, no progress bars; on the CPU when ``device`` is the CPU.
+    no checkpoints, no log lines; on the CPU when ``device`` is the CPU. Its progress bar shows
+    where ``helpers.progress.enabled()`` says bars are on (a notebook, not CI or a child process).
 
     ``overrides`` are TrainingArguments' own names and win over these defaults (for example
     ``logging_strategy="steps", logging_steps=1`` to keep a loss per step).
     """
     from transformers import TrainingArguments
 
+    from helpers.progress import enabled
+
     quiet = dict(
-        report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=not enabled(),
         use_cpu=resolve(device).type == "cpu",
     )  # fmt: skip
     return TrainingArguments(output_dir=output_dir, **{**quiet, **overrides})
