@@ -238,6 +238,17 @@ def _capstone(args) -> int:
     return 0
 
 
+def _cheatsheet(args) -> int:
+    from helpers.cheatsheet import markdown, measured_on
+    from helpers.results import default_store, load
+
+    path = args.results or default_store()
+    records = load(path)
+    print(f"Measured on {measured_on(records)} ({path}); each ratio is variant / baseline:")
+    print(markdown(records))
+    return 0
+
+
 def _hardware(args) -> int:
     from helpers.hardware import hardware_report
 
@@ -382,6 +393,7 @@ COMMANDS = {
     "plan": (_plan, _plan_arguments, "fastest configuration that fits a memory budget"),
     "summary": (_summary, _results_argument, "print the table of recorded experiments"),
     "capstone": (_capstone, _results_argument, "lesson 14's ablation next to the guide's V100 run"),
+    "cheatsheet": (_cheatsheet, _results_argument, "the guide's methods with the ratios measured"),
     "fit": (_fit, _fit_argument, "what the full scale runs on this GPU, lesson by lesson"),
     "claims": (_claims, _claims_argument, "how the lessons' speed claims came out"),
     "preflight": (_preflight, _device_argument, "try every hardware feature the lessons use"),

@@ -10,3 +10,11 @@ ATTENTION = ("eager", "sdpa")  # attention kinds the estimator models and the pl
 TRAIN_ATTENTION = (*ATTENTION, "flash_attention_2")
 
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40  # binary units: what allocators count in
+
+
+def human_bytes(nbytes: float) -> str:
+    """``64 MiB``, ``16 GiB``, ``1.5 KiB``: the largest binary unit the size reaches, 3 digits."""
+    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{int(nbytes)} B"

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from helpers.device import default_device
-from helpers.names import GiB, MiB
+from helpers.names import GiB, MiB, human_bytes
 
 SCALE_ENV = "COURSE_SCALE"  # tiny | full | auto (default)
 
@@ -42,7 +42,7 @@ class Scale:
         """What a learner reads first: what scale and device the numbers come from."""
         line = (
             f"scale={self.name} on {device}: encoder={self.encoder}, decoder={self.decoder}, "
-            f"batch={self.batch_size}, seq_len={self.seq_len}, budget={self.budget / GiB:.3g} GiB"
+            f"batch={self.batch_size}, seq_len={self.seq_len}, budget={human_bytes(self.budget)}"
         )
         if self.card:
             line += f"\nfitted to {self.card}"

@@ -30,6 +30,8 @@ class RunConfig:
     precision: str = "fp32"
     optimizer: str = "adamw"
     gradient_checkpointing: bool = False
+    # The course's default. transformers defaults to "sdpa"; eager keeps each layer's s x s
+    # attention matrix as a saved activation, which lessons 01 and 04 count. Lesson 10 compares.
     attn: str = "eager"
     grad_accum: int = 1  # micro-batches of ``batch_size`` per optimizer step
     data: str = "random"  # random | markov (the learnable task)

@@ -301,3 +301,17 @@ def test_no_internal_source_names_for_learners(path: Path):
     # "seed 002" was the course's own name for a guide: a learner cannot look it up.
     hits = INTERNAL_SOURCE_NAME.findall(path.read_text(encoding="utf-8"))
     assert not hits, f"{path.name}: name the guide and link it instead of {hits}"
+
+
+def test_cheat_sheet_rows_are_the_generators_rows():
+    """CHEATSHEET.md's table has the generator's methods, links and lessons, in its order."""
+    from helpers.cheatsheet import markdown
+
+    def rows(text: str) -> list[tuple[str, str]]:
+        cells = [line.split(" | ") for line in text.splitlines() if line.startswith("| [")]
+        return [(c[0], c[-1]) for c in cells]
+
+    page = (ROOT / "CHEATSHEET.md").read_text()
+    assert rows(page) == rows(markdown([])), "regenerate: python -m helpers cheatsheet"
+    for _, lesson in rows(page):
+        assert (ROOT / lesson.split("(")[1].rstrip(") |")).exists(), lesson

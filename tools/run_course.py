@@ -6,7 +6,8 @@
 
 A notebook that fails does not stop the others: its error is printed where it happened, and
 the run ends by listing the failed notebooks and exiting 1. The tables (``python -m helpers
-summary``, ``capstone``, ``claims``) read the results the notebooks saved ($COURSE_RESULTS).
+summary``, ``capstone``, ``cheatsheet``, ``claims``) read the results the notebooks saved
+($COURSE_RESULTS).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_tables:
         from helpers.cli import main as helpers_cli
 
-        for table in ("summary", "capstone", "claims"):
+        for table in ("summary", "capstone", "cheatsheet", "claims"):
             helpers_cli([table])
             print()
     if failed:
