@@ -315,3 +315,12 @@ def test_cheat_sheet_rows_are_the_generators_rows():
     assert rows(page) == rows(markdown([])), "regenerate: python -m helpers cheatsheet"
     for _, lesson in rows(page):
         assert (ROOT / lesson.split("(")[1].rstrip(") |")).exists(), lesson
+
+
+def test_make_lab_turns_the_news_prompt_off():
+    """JupyterLab asks about news while fetchNews is "none"; make lab and Binder set "false"."""
+    settings = json.loads((ROOT / "tools" / "lab-settings" / "overrides.json").read_text())
+    assert settings["@jupyterlab/apputils-extension:notification"]["fetchNews"] == "false"
+    makefile = (ROOT / "Makefile").read_text()
+    assert "--LabApp.app_settings_dir=$(CURDIR)/tools/lab-settings" in makefile
+    assert "tools/lab-settings/overrides.json" in (ROOT / "binder" / "postBuild").read_text()
