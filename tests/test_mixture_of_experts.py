@@ -7,12 +7,15 @@ from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM
 
 from helpers.lessons.mixture_of_experts import (
+    block_io,
     ffn_params,
     pair_for,
+    router_heatmap,
     router_load,
     train_flops_per_token,
 )
-from helpers.models import load_config
+from helpers.models import build_model, load_config
+from tests.plot_checks import figure_problems
 
 
 def test_pair_differs_only_in_the_ffn():
@@ -39,3 +42,56 @@ def test_router_shares_sum_to_one_per_layer():
     for layer in load.shares:
         assert abs(sum(layer) - 1) < 1e-9 and all(s >= 0 for s in layer)
     assert torch.isfinite(torch.tensor(load.aux_loss))
+
+
+def test_top_k_override_scales_the_experts_flops():
+    # Each routed token costs one expert's FLOPs: top-1 does half of top-2's expert work,
+    # the router (h x E, on every token) stays the same.
+    sparse = pair_for("tiny")[0]
+    one, two = (train_flops_per_token(sparse, 2, 16, top_k=k) for k in (1, 2))
+    assert one.router_per_token == two.router_per_token > 0
+    experts = [r.ffn_per_token - r.router_per_token for r in (one, two)]
+    assert experts[1] == 2 * experts[0] > 0
+    load = router_load(sparse, 2, 16, top_k=1)
+    assert load.top_k == 1 and load.balanced_aux_loss == 1.0
+
+
+def _block_by_hand(block, tokens, k, renormalise=True):
+    """The lesson's route -> dispatch -> combine (notebook 09, section 2)."""
+    with torch.no_grad():
+        probs = (tokens @ block.gate.weight.T).softmax(-1)
+        top_p, top_e = probs.topk(k, dim=-1)
+        weights = top_p / top_p.sum(-1, keepdim=True) if renormalise else top_p
+        out = torch.zeros_like(tokens)
+        for e in range(block.experts.num_experts):
+            tok, slot = (top_e == e).nonzero(as_tuple=True)
+            gate, up = (tokens[tok] @ block.experts.gate_up_proj[e].T).chunk(2, dim=-1)
+            part = (torch.nn.functional.silu(gate) * up) @ block.experts.down_proj[e].T
+            out.index_add_(0, tok, weights[tok, slot, None] * part)
+    return out
+
+
+def test_block_by_hand_matches_the_library_block():
+    # On a real block's inputs (captured in a forward pass), against transformers' block.
+    config = load_config(pair_for("tiny")[0])
+    model = build_model(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    x, y = block_io(model, 0, ids)
+    assert x.shape == y.shape == (2, 16, config.hidden_size)
+    block, k = model.model.layers[0].mlp, config.num_experts_per_tok
+    tokens, y = x.reshape(-1, x.shape[-1]), y.reshape(-1, x.shape[-1])
+    # Same float32 operations, perhaps summed in another order: 16 eps x max|y| (see lesson).
+    tol = 16 * torch.finfo(torch.float32).eps * y.abs().max().item()
+    assert (_block_by_hand(block, tokens, k) - y).abs().max().item() <= tol
+    # Without renormalising the top-k weights (they sum to ~k/E at init) it is far off.
+    assert (_block_by_hand(block, tokens, k, renormalise=False) - y).abs().max().item() > 100 * tol
+
+
+def test_router_heatmap_is_readable_tiny_and_full():
+    tiny = router_load(pair_for("tiny")[0], 2, 16).shares
+    assert figure_problems(router_heatmap(tiny, 2)) == []
+    full = [[(0.5 + ((i * 7 + e * 3) % 8) / 8) / 8 for e in range(8)] for i in range(12)]
+    fig = router_heatmap(full, 2)
+    assert figure_problems(fig) == []
+    width, height = fig.get_size_inches()
+    assert width * fig.dpi < 900 and height < width  # not the 1800-px strip of bars any more

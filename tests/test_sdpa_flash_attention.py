@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers.lessons.sdpa_flash_attention import (
+    GUIDE_OFFSET,
     IMPLEMENTATIONS,
     AttentionLayerConfig,
     LayerMemoryResult,
@@ -21,6 +22,7 @@ from helpers.lessons.sdpa_flash_attention import (
     power_law_exponent,
     power_law_figure,
 )
+from tests.plot_checks import figure_problems
 
 EAGER = ["manual", "hf-eager", "sdpa-math"]
 
@@ -88,18 +90,47 @@ def test_power_law_exponent_recovers_known_slopes():
     assert power_law_exponent(xs, [5 * x for x in xs]) == pytest.approx(1.0)
 
 
-def test_power_law_figure_draws_the_series_and_two_guides_on_log_axes():
+def test_power_law_figure_draws_the_series_and_two_visible_guides_on_log_axes():
     seqs, spans = [64, 128, 256], [(0.5, 2.0), (3.0, 5.0), (15.0, 17.0)]
     fig = power_law_figure(seqs, {"manual": [1.0, 4.0, 16.0]}, "MiB", ranges={"manual": spans})
     ax = fig.axes[0]
-    assert [line.get_label() for line in ax.get_lines()][-2:] == ["∝ s² guide", "∝ s guide"]
+    guides = {line.get_label(): line for line in ax.get_lines() if "guide" in line.get_label()}
+    assert set(guides) == {"∝ s² guide", "∝ s guide"}
+    assert guides["∝ s² guide"].get_linestyle() != guides["∝ s guide"].get_linestyle()
     assert (ax.get_xscale(), ax.get_yscale()) == ("log", "log")
-    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == [
-        "manual",
-        "∝ s guide",
-        "∝ s² guide",
-    ]
-    assert tuple(fig.get_size_inches()) == (6.5, 4)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["manual"]
+    assert {t.get_text() for t in ax.texts} >= {"∝ s²", "∝ s"}  # labels at the guides' ends
+    assert figure_problems(fig) == []
+
+
+def test_guides_are_not_hidden_under_series_of_their_slope():
+    # A series of slope exactly 1 and one of slope exactly 2: each guide must stay a visible
+    # factor (GUIDE_OFFSET) away from the series it parallels, at every point.
+    seqs = [256, 512, 1024, 2048]
+    series = {"eager": [4.0 * (s / 256) ** 2 for s in seqs], "flash": [1.0 * s / 256 for s in seqs]}
+    ax = power_law_figure(seqs, series, "MiB").axes[0]
+    guides = {line.get_label(): line.get_ydata() for line in ax.get_lines()}
+    for name, guide in (("eager", guides["∝ s² guide"]), ("flash", guides["∝ s guide"])):
+        ratios = [max(g / y, y / g) for g, y in zip(guide, series[name], strict=True)]
+        assert min(ratios) >= GUIDE_OFFSET * 0.999, (name, ratios)
+
+
+def test_power_law_figure_is_readable_at_both_scales():
+    # Shaped like the lesson: tiny (CPU: 4 implementations, d=32) and full (GPU: 6, d=64),
+    # memory without and times with error bars.
+    for names, d in (
+        (["manual", "hf-eager", "sdpa-math", "sdpa-flash"], 32),
+        (IMPLEMENTATIONS, 64),
+    ):
+        seqs = [8 * d * 2**i for i in range(4)]
+        mem = {
+            n: [0.01 * (s / 64) ** (1.9 if i < 3 else 1) for s in seqs] for i, n in enumerate(names)
+        }
+        ms = {n: [0.2 * (s / 64) ** 1.8 / (1 + i) for s in seqs] for i, n in enumerate(names)}
+        spans = {n: [(0.8 * y, 1.3 * y) for y in ys] for n, ys in ms.items()}
+        assert figure_problems(power_law_figure(seqs, mem, "peak MiB", title="memory")) == []
+        fig = power_law_figure(seqs, ms, "ms", title="Attention layer time on cpu", ranges=spans)
+        assert figure_problems(fig) == []
 
 
 def test_implementations_listed():

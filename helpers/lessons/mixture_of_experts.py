@@ -47,8 +47,20 @@ class FlopCountResult:
     router_per_token: float  # the routers' share (part of ffn_per_token)
 
 
-def train_flops_per_token(name: str, batch: int, seq_len: int) -> FlopCountResult:
+def _config(name: str, top_k: int | None = None):
+    """The bundled config ``name``, routing each token to ``top_k`` experts if given."""
+    config = load_config(name)
+    if top_k is not None:
+        config.num_experts_per_tok = top_k
+    return config
+
+
+def train_flops_per_token(
+    name: str, batch: int, seq_len: int, top_k: int | None = None
+) -> FlopCountResult:
     """Count forward+backward FLOPs per token with torch's FlopCounterMode.
+
+    ``top_k`` overrides the experts each token is routed to (a sparse config only).
 
     Experts run with transformers' "eager" implementation (a loop over experts, each a plain
     matmul on its own tokens), which the counter sees op by op; the faster default
@@ -57,7 +69,7 @@ def train_flops_per_token(name: str, batch: int, seq_len: int) -> FlopCountResul
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
 
-    config = load_config(name)
+    config = _config(name, top_k)
     extra = {"experts_implementation": "eager"} if hasattr(config, "num_local_experts") else {}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, **extra)
@@ -85,11 +97,16 @@ class RouterLoadResult:
     tokens: int  # tokens routed (batch x sequence)
 
 
-def router_load(name: str, batch: int, seq_len: int, seed: int = 0) -> RouterLoadResult:
-    """Route one batch of random tokens through a sparse model and count assignments."""
+def router_load(
+    name: str, batch: int, seq_len: int, seed: int = 0, top_k: int | None = None
+) -> RouterLoadResult:
+    """Route one batch of random tokens through a sparse model and count assignments.
+
+    ``top_k`` overrides the experts each token is routed to.
+    """
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    config = load_config(name)
+    config = _config(name, top_k)
     model = build_model(config, seed=seed).eval()
     ids = torch.randint(
         0, config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed)
@@ -106,3 +123,54 @@ def router_load(name: str, batch: int, seq_len: int, seed: int = 0) -> RouterLoa
     # Uniform routing: each expert gets k/E of the tokens and 1/E of the probability, so the
     # loss E * sum_e f_e * P_e equals E * E * (k/E) * (1/E) = k.
     return RouterLoadResult(shares, float(aux), float(k), k, batch * seq_len)
+
+
+def block_io(model: torch.nn.Module, layer: int, input_ids: torch.Tensor):
+    """(input, output) of decoder layer ``layer``'s feed-forward block in a forward pass.
+
+    A forward hook on ``model.model.layers[layer].mlp`` (the sparse MoE block in a Mixtral)
+    records the hidden states the block receives (after attention and the norm) and what it
+    returns, so the block can be recomputed by hand on real inputs.
+    """
+    captured = {}
+    block = model.model.layers[layer].mlp
+    hook = block.register_forward_hook(lambda m, args, out: captured.update(x=args[0], y=out))
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids)
+    finally:
+        hook.remove()
+    return captured["x"], captured["y"]
+
+
+def router_heatmap(shares: list[list[float]], top_k: int, title: str = ""):
+    """Layers x experts: each expert's share of the top-k assignments, fair share 1/E white.
+
+    Red cells got more than their fair share, blue ones less; the value is written in the
+    cell. The size grows with the number of layers and experts, so a 12-layer model stays
+    as readable as a 2-layer one.
+    """
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.figure import Figure
+
+    n_layers, n_exp = len(shares), len(shares[0])
+    fair = 1 / n_exp
+    fig = Figure(figsize=(max(5.0, 0.6 * n_exp + 2.2), 0.38 * n_layers + 1.9),
+                 layout="constrained")  # fmt: skip
+    ax = fig.add_subplot()
+    top = max(2 * fair, max(max(row) for row in shares))
+    norm = TwoSlopeNorm(vcenter=fair, vmin=0.0, vmax=top)
+    image = ax.imshow(shares, cmap="RdBu_r", norm=norm, aspect="auto")
+    if n_layers * n_exp <= 200:  # a number per cell while they fit
+        for i, row in enumerate(shares):
+            for e, share in enumerate(row):
+                ax.text(e, i, f"{share:.2f}", ha="center", va="center", fontsize="small")
+    ax.set_xticks(range(n_exp), [f"e{e}" for e in range(n_exp)])
+    step = max(1, n_layers // 12)
+    ax.set_yticks(range(0, n_layers, step), [str(i) for i in range(0, n_layers, step)])
+    ax.set_xlabel("expert")
+    ax.set_ylabel("layer")
+    ax.set_title(title or f"Router load, top-{top_k}: share of assignments", fontsize="medium")
+    bar = fig.colorbar(image, ax=ax, shrink=0.9)
+    bar.set_label(f"share (fair: 1/E = {fair:.3f})", fontsize="small")
+    return fig

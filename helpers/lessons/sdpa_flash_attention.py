@@ -242,7 +242,9 @@ def layer_memories(
     A fresh tracker per length makes each number exact on its own, and no other
     implementation's cached buffers share the process.
     """
-    return [layer_memory(name, layer, s) for s in seqs]
+    from helpers.progress import progress
+
+    return [layer_memory(name, layer, s) for s in progress(seqs, f"{name} memory", unit="length")]
 
 
 def layer_time_rounds(
@@ -260,11 +262,12 @@ def layer_time_rounds(
     slow spell of the machine hits every implementation alike. ``claims`` are decided at the
     longest length (more rounds while undecided).
     """
+    from helpers.progress import progress
     from helpers.timing import compare_calls
 
     device = torch.device(layer.device)
     out = {}
-    for seq in seqs:
+    for seq in progress(seqs, "timing lengths", unit="length"):
         calls = {name: partial(_forward_backward, name, *layer.qkv(seq)) for name in names}
         out[seq] = compare_calls(calls, device, warmup=warmup, rounds=rounds,
                                  claims=claims if seq == seqs[-1] else ())  # fmt: skip
@@ -351,25 +354,47 @@ def flash_attn_2_problem(device) -> str | None:
 
 
 def power_law_figure(xs, series: dict, ylabel: str, title: str = "", ranges: dict | None = None):
-    """Log-log lines against sequence length, with dashed guides of slope 1 and 2.
+    """Log-log lines against sequence length, with guides of slope 2 (dashed) and 1 (dotted).
 
-    ``ranges``: per series, (low, high) per point, drawn as error bars (for times: the
-    slowest and the fastest of the interleaved rounds).
+    The guides are offset from the data so no series hides them: at the longest length, where
+    a power law shows best, the s² guide ends a factor ``GUIDE_OFFSET`` above the highest
+    series and the s guide that factor below the lowest one; each is labelled at its end.
+    ``ranges``: per series, (low, high) per point, drawn as error bars (for times: the slowest
+    and the fastest of the rounds).
     """
-    from helpers.plots import lines
+    from helpers.plots import legend_outside, lines
 
     fig = lines(xs, series, "sequence length s", ylabel, title, logy=True, ranges=ranges)
-    fig.set_size_inches(6.5, 4)
+    fig.set_size_inches(7.5, 4)
     ax = fig.axes[0]
     xs = np.asarray(xs, float)
-    firsts = [ys[0] for ys in series.values()]
-    # Guides start at the first point of the highest and the lowest series.
-    guides = ((2, max(firsts), "--", "∝ s² guide"), (1, min(firsts), ":", "∝ s guide"))
-    for slope, start, style, text in guides:
-        guide = start * (xs / xs[0]) ** slope
-        ax.plot(xs, guide, linestyle=style, color="grey", linewidth=1.2, label=text)
+    lasts = [ys[-1] for ys in series.values()]
+    guides = (
+        (2, max(lasts) * GUIDE_OFFSET, "--", "#444444", "∝ s²"),
+        (1, min(lasts) / GUIDE_OFFSET, ":", "#777777", "∝ s"),
+    )
+    for slope, end, style, color, text in guides:
+        guide = end * (xs / xs[-1]) ** slope
+        ax.plot(xs, guide, linestyle=style, color=color, linewidth=1.5, label=f"{text} guide")
+        ax.annotate(text, (xs[-1], guide[-1]), xytext=(5, 0), textcoords="offset points",
+                    va="center", ha="left", color=color, fontsize="small")  # fmt: skip
     ax.set_xscale("log", base=2)
+    ax.set_xlim(xs[0] / 1.15, xs[-1] * 1.4)  # room for the guides' labels on the right
     ax.set_xticks(xs, [str(int(x)) for x in xs])
     ax.minorticks_off()
-    ax.legend(fontsize="small")  # again, with the guides
+    handles = [h for h, lab in zip(*ax.get_legend_handles_labels(), strict=True)
+               if not lab.endswith(" guide")]  # fmt: skip
+    # Implementations of one family lie on top of each other: open markers of decreasing
+    # size and different shapes keep every one of them visible.
+    for i, handle in enumerate(handles):
+        line = handle[0] if isinstance(handle, tuple) else handle  # errorbar: (line, ...)
+        line.set_marker("osD^vP"[i % 6])
+        line.set_markersize(max(4.0, 10.0 - 1.2 * i))
+        line.set_markerfacecolor("none")
+    legend_outside(ax, handles=handles)  # the series; the guides carry their own labels
     return fig
+
+
+# How far the guides sit from the data (a factor on the log axis), so that neither is hidden
+# under a series of the same slope.
+GUIDE_OFFSET = 2.5
