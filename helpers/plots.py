@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, NullLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter, NullLocator
 
 from helpers.names import MiB
 
@@ -31,9 +31,15 @@ STEP_CATEGORIES = ("params", "gradients", "optimizer_state", "activations", "tem
 
 def plain_ticks(ax, x: Sequence[float] | None = None) -> None:
     """Plain numbers on log axes: ticks at the data points ``x`` (if given), no minor labels."""
+    import math
+
     plain = FuncFormatter(lambda v, _: f"{v:g}")
-    for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+    for axis, scale, limits in ((ax.xaxis, ax.get_xscale(), ax.get_xlim()),
+                                (ax.yaxis, ax.get_yscale(), ax.get_ylim())):  # fmt: skip
         if scale == "log":
+            lo, hi = sorted(limits)
+            if lo > 0 and math.log10(hi / lo) < 2:  # under two decades: 1, 2, 5 in each
+                axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
             axis.set_major_formatter(plain)
             axis.set_minor_formatter(NullFormatter())
     if x is not None and ax.get_xscale() == "log":
@@ -186,6 +192,6 @@ def timeline(runs: Mapping[str, Mapping[str, Sequence[float]]], ylabel: str, tit
         ax.set_xlabel("call, in the order made")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(ylabel)
-    axes[0].legend(fontsize="small")
+    legend_outside(axes[-1])
     fig.suptitle(title)
     return fig
