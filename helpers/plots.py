@@ -29,11 +29,16 @@ CATEGORY_COLORS = {
 STEP_CATEGORIES = ("params", "gradients", "optimizer_state", "activations", "temporaries")
 
 
+def plain_number(v: float) -> str:
+    """A tick label: ``4,194,304`` and ``256`` for whole numbers, ``0.25`` otherwise."""
+    return f"{v:,.0f}" if float(v).is_integer() else f"{v:g}"
+
+
 def plain_ticks(ax, x: Sequence[float] | None = None) -> None:
     """Plain numbers on log axes: ticks at the data points ``x`` (if given), no minor labels."""
     import math
 
-    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    plain = FuncFormatter(lambda v, _: plain_number(v))
     for axis, scale, limits in ((ax.xaxis, ax.get_xscale(), ax.get_xlim()),
                                 (ax.yaxis, ax.get_yscale(), ax.get_ylim())):  # fmt: skip
         if scale == "log":
@@ -43,7 +48,7 @@ def plain_ticks(ax, x: Sequence[float] | None = None) -> None:
             axis.set_major_formatter(plain)
             axis.set_minor_formatter(NullFormatter())
     if x is not None and ax.get_xscale() == "log":
-        ax.set_xticks(list(x), [f"{v:g}" for v in x])
+        ax.set_xticks(list(x), [plain_number(v) for v in x])
         ax.xaxis.set_minor_locator(NullLocator())
 
 

@@ -90,3 +90,10 @@ def test_timeline_two_panels():
         "interleaved": {"A": [0.01] * 10, "B": [0.012] * 10},
     }
     assert figure_problems(plots.timeline(runs, "ms per call", "timing", mark=5)) == []
+
+
+def test_large_sizes_on_a_log_axis_read_as_whole_numbers():
+    sizes = [2**k for k in (10, 14, 18, 22)]
+    fig = plots.lines(sizes, {"eager": [4.0, 3.0, 2.5, 2.4]}, "elements", "ns", logx=True)
+    assert figure_problems(fig) == []
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()][-1] == "4,194,304"
