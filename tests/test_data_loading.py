@@ -25,6 +25,7 @@ from helpers.lessons.data_loading import (
     predicted_step,
     startup_rounds,
     starvation_figure,
+    waits_behind_device,
     wordpiece_vocab,
 )
 from helpers.timing import Claim
@@ -226,3 +227,74 @@ def test_trainer_runs_time_each_worker_count():
         assert r.t_data > 0 and r.t_model > 0 and 0 <= r.wait_fraction < 1
         assert r.step_time > 0 and r.samples_per_s == pytest.approx(2 / r.step_time)
         assert r.pin_memory_arg is False  # use_cpu: the Trainer turns pinning off
+
+
+def _result(workers, t_data, t_model, wait, batch_size=4, cores=2):
+    """A LoaderResult of three identical steps (seconds)."""
+    return LoaderResult(LoaderConfig(batch_size=batch_size, num_workers=workers),
+                        waits=[wait] * 3, computes=[t_model] * 3, collates=[t_data] * 3,
+                        collate_cpus=[t_data] * 3, model_cpus=[t_model] * 3,
+                        cores=cores)  # fmt: skip
+
+
+@pytest.mark.parametrize("scale", ["tiny", "full", "no rates"])
+def test_starvation_figure_draws_cleanly(scale):
+    from tests.plot_checks import figure_problems
+
+    if scale == "full":  # a GPU machine: 16 cores, 0 to 4 workers, the device fed from 2 on
+        costs = {0: (0.3, 0.2, 0.3), 1: (0.3, 0.2, 0.1), 2: (0.3, 0.2, 0.005), 4: (0.3, 0.2, 0.003)}
+        runs = {f"slow, {w} workers": _result(w, *c, batch_size=32, cores=16)
+                for w, c in costs.items()}  # fmt: skip
+        prior = {0: 0.5, 1: 0.3, 2: 0.2, 4: 0.2}
+    else:  # a loaded 2-core CPU, as measured: t_data and t_model grow beside a worker
+        costs = {0: (0.114, 0.069, 0.114), 1: (0.185, 0.121, 0.05), 2: (0.266, 0.116, 0.023)}
+        runs = {f"slow, {w} workers": _result(w, *c) for w, c in costs.items()}
+        prior = {0: 0.17, 1: 0.1, 2: 0.085}
+    rates = None
+    if scale != "no rates":
+        batch = next(iter(runs.values())).config.batch_size
+        rates = {k: (batch / r.step_time, 0.8 * batch / r.step_time, 1.1 * batch / r.step_time)
+                 for k, r in runs.items()}  # fmt: skip
+    fig = starvation_figure(runs, prior=prior, title="bert-tiny on AMD EPYC: slow", rates=rates)
+    assert figure_problems(fig) == []
+
+
+def test_hand_built_loader_matches_make_loader():
+    # Lesson 11 builds its DataLoader by hand in a cell and compares it with make_loader's,
+    # which the measurements use: the comparison must see every argument that can drift.
+    from torch.utils.data import DataLoader
+
+    from helpers.lessons.data_loading import loader_settings, start_method
+
+    docs = Documents(4, 20)
+    options = dict(num_workers=2, prefetch_factor=3, persistent_workers=True, pin_memory=False)
+    mine = DataLoader(docs, batch_size=2, collate_fn=WindowCollator(make_tokenizer("slow"), 16),
+                      multiprocessing_context=start_method(), **options)  # fmt: skip
+    theirs = make_loader(docs, 2, 16, "slow", **options)
+    assert loader_settings(mine) == loader_settings(theirs)
+    settings = loader_settings(theirs)
+    assert (settings["prefetch_factor"], settings["persistent_workers"]) == (3, True)
+    assert settings["tokenizer"] == "BertTokenizerLegacy" and settings["seq_len"] == 16
+    assert loader_settings(make_loader(docs, 2, 16, "fast", **options)) != settings
+    assert loader_settings(make_loader(docs, 2, 16, "slow", num_workers=1)) != settings
+
+
+def test_waits_behind_a_sleeping_device_shrink_with_a_worker():
+    import statistics
+
+    docs = Documents(4 * 8, 400)  # a collate of 4 x 400 words: ~80 ms on a loaded 2-core CPU
+    device_s = 0.05
+    runs = {w: waits_behind_device(make_loader(docs, 4, 16, "slow", w, timed=True), device_s,
+                                   steps=4) for w in (0, 1)}  # fmt: skip
+    waits = {w: r.waits for w, r in runs.items()}
+    assert all(len(r.waits) == len(r.collates) == 4 for r in runs.values())
+    assert all(min(r.waits) >= 0 and min(r.collates) > 0 for r in runs.values())
+    # Without workers next(loader) is the collate itself (plus the loader's bookkeeping).
+    assert all(w >= c for w, c in zip(runs[0].waits, runs[0].collates, strict=True)), runs[0]
+    untimed = waits_behind_device(make_loader(docs, 4, 16, "slow"), 0.0, steps=2)
+    assert untimed.collates == [] and len(untimed.waits) == 2
+    # Without workers every step waits for a whole collate; with one, the worker builds the
+    # next batch while the device sleeps, so the wait falls by up to the 50 ms of sleep (half
+    # of that allowed for the hand-over and a busy machine; medians against one-off spikes).
+    w0, w1 = statistics.median(waits[0]), statistics.median(waits[1])
+    assert w1 < w0 - device_s / 2, waits

@@ -14,6 +14,7 @@ from helpers.lessons import torch_compile as compiling
 from helpers.lessons.torch_compile import (
     GraphRecorder,
     StepProfileConfig,
+    break_even_figure,
     break_even_steps,
     count_compiles,
     dynamo_summary,
@@ -26,6 +27,7 @@ from helpers.lessons.torch_compile import (
     input_shapes,
     mlp_stack,
     reset_dynamo,
+    seconds_saved,
     short_reason,
     step_profile,
 )
@@ -148,6 +150,39 @@ def test_break_even_steps():
     assert break_even_steps(10.0, 0.03, 0.02) == pytest.approx(1000)
     assert break_even_steps(10.0, 0.02, 0.02) is None
     assert break_even_steps(10.0, 0.02, 0.03) is None
+    assert break_even_steps(-0.1, 0.03, 0.02) == 0.0  # first step no dearer: pays at once
+
+
+def test_seconds_saved_crosses_zero_at_the_break_even_step():
+    assert seconds_saved(10.0, 0.01, 1) == -10.0  # the first step: only the extra cost
+    assert seconds_saved(10.0, 0.01, 1001) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize(
+    "costs",
+    [
+        # tiny scale on a 2-core CPU: seconds to compile, tens of ms saved (crossings ~10, ~200)
+        {"compiled, cold cache": (3.5, 0.0173), "compiled, warm cache": (0.2, 0.0173)},
+        # full scale on a GPU: a minute to compile, ms saved (crossings ~1,000, ~30,000)
+        {"compiled, cold cache": (60.0, 0.002), "compiled, warm cache": (2.0, 0.002)},
+        # not faster here: no crossing, and one that crosses late beside one that never does
+        {"compiled, cold cache": (5.0, -0.001), "compiled, warm cache": (0.3, -0.001)},
+        {"compiled, cold cache": (5.0, 0.0001), "compiled, warm cache": (0.3, -0.001)},
+        # a busy machine: the warm first step beat eager's, and its saving dwarfs the cold one
+        {"compiled, cold cache": (16.1, 0.0041), "compiled, warm cache": (-0.1, 0.22)},
+    ],
+)
+def test_break_even_figure_shows_every_crossing(costs):
+    from tests.plot_checks import figure_problems
+
+    fig = break_even_figure(costs, title="tiny scale on cpu: compiling pays off where ...")
+    assert figure_problems(fig) == []
+    ax = fig.axes[0]
+    low, high = ax.get_xlim()
+    for extra, saving in costs.values():
+        even = break_even_steps(extra, saving, 0.0)
+        if even is not None:  # the crossing lies inside the axis, with room after it
+            assert low <= 1 and even * 2 < high, (even, low, high)
 
 
 def test_mlp_stack_is_seeded_and_returns_a_scalar_loss():

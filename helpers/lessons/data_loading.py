@@ -171,6 +171,51 @@ def make_loader(
     )
 
 
+def loader_settings(loader: DataLoader) -> dict:
+    """The arguments a DataLoader was built with (those lesson 11 sets), for a table or a
+    comparison: the notebook's hand-built loader against ``make_loader``'s."""
+    context, collate = loader.multiprocessing_context, loader.collate_fn
+    return {
+        "batch_size": loader.batch_size,
+        "collate_fn": type(collate).__name__,
+        "tokenizer": type(getattr(collate, "tokenizer", None)).__name__,
+        "seq_len": getattr(collate, "seq_len", None),
+        "num_workers": loader.num_workers,
+        "prefetch_factor": loader.prefetch_factor,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory": loader.pin_memory,
+        "multiprocessing_context": context.get_start_method() if context else None,
+    }
+
+
+@dataclass
+class DeviceWaits:
+    """Steps behind a stand-in device (``waits_behind_device``), in seconds."""
+
+    waits: list[float]  # time each step spent in next(loader)
+    collates: list[float]  # each of those batches' collate, where it ran (a timed loader)
+
+
+def waits_behind_device(
+    loader: DataLoader, device_s: float, steps: int = 6, warmup: int = 2
+) -> DeviceWaits:
+    """Time each of ``steps`` steps waited in ``next(loader)``, the step itself being
+    ``device_s`` of sleep: a stand-in for a GPU, which computes while the training process's
+    core is free (for workers, or for the collate function at the next ``next``). A loader
+    built with ``timed=True`` also reports its batches' collate seconds."""
+    it, out = iter(loader), DeviceWaits([], [])
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        batch = next(it)
+        if i >= warmup:  # the first batches include starting the workers
+            out.waits.append(time.perf_counter() - start)
+            if "collate_s" in batch:
+                out.collates.append(float(batch["collate_s"]))
+        time.sleep(device_s)
+    del it  # shuts non-persistent workers down
+    return out
+
+
 def to_device(batch: dict, device: torch.device, non_blocking: bool = False) -> dict:
     """Every tensor of ``batch`` on ``device``: the same mapping of model inputs, moved."""
     return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
@@ -857,7 +902,9 @@ def starvation_figure(
     # rates: {label: (median, slowest, fastest)} samples/s of interleaved rounds (error bars).
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4), layout="constrained")
+    from helpers.plots import category_labels, legend_outside
+
+    fig = Figure(figsize=(13, 4.5), layout="constrained")
     left, right = fig.subplots(1, 2)
     labels = list(runs)
     compute = [1e3 * r.t_model for r in runs.values()]
@@ -866,8 +913,8 @@ def starvation_figure(
     left.bar(labels, wait, bottom=compute, color="#C44E52", label="waiting for data")
     left.plot(labels, [1e3 * r.predicted for r in runs.values()], "ko", label="predicted step")
     left.set_ylabel("ms per training step")
-    left.tick_params(axis="x", labelrotation=20)
-    left.legend(fontsize="small")
+    category_labels(left, labels)
+    legend_outside(left)  # beside the bars, never over them
     rs = sorted(runs.values(), key=lambda r: r.config.num_workers)
     xs = [r.config.num_workers for r in rs]
     batch = rs[0].config.batch_size
@@ -891,7 +938,7 @@ def starvation_figure(
     right.set_xticks(sorted(set(xs) | set(prior or ())))
     right.set_ylim(bottom=0)
     right.grid(alpha=0.3)
-    right.legend(fontsize="small", loc="lower right")
+    legend_outside(right)
     fig.suptitle(title)
     return fig
 

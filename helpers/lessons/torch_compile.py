@@ -587,6 +587,56 @@ def profiles(calls: Sequence[tuple[Callable, dict]]) -> list:
 
 
 def break_even_steps(extra_first_s: float, eager_step_s: float, compiled_step_s: float):
-    """Steps after which compiling has paid for itself; None when the compiled step is slower."""
+    """Steps after which compiling has paid for itself; None when the compiled step is slower,
+    0 when its first step cost no more than eager's (a warm cache on a busy machine can)."""
     saving = eager_step_s - compiled_step_s
-    return extra_first_s / saving if saving > 0 else None
+    return max(0.0, extra_first_s / saving) if saving > 0 else None
+
+
+def seconds_saved(extra_first_s: float, saving_s: float, n: float) -> float:
+    """Eager total minus compiled total after ``n`` steps: each copy pays its first step, then
+    n - 1 steady steps, so compiling is ``extra_first_s`` behind at first and gains
+    ``saving_s`` (eager step minus compiled step) per later step."""
+    return (n - 1) * saving_s - extra_first_s
+
+
+def break_even_figure(costs: dict[str, tuple[float, float]], title: str = ""):
+    """Seconds saved by compiling against training steps, on a log axis that shows every
+    crossing of zero. ``costs``: label -> (extra first-step seconds, saving per step)."""
+    # The x-range comes from the break-even points: from 1 step to 4 times the last crossing,
+    # so every crossing, a few steps or tens of thousands, lies inside, with room after it.
+    from matplotlib.figure import Figure
+
+    from helpers.plots import plain_ticks
+
+    evens = {k: break_even_steps(extra, saving, 0.0) for k, (extra, saving) in costs.items()}
+    found = [n for n in evens.values() if n is not None]
+    horizon = max(10.0, 4 * max(found, default=250.0))
+    # y from a little below the largest extra cost to what the latest crossing's line reaches
+    # at the horizon (about 3x its extra cost): a line that climbs faster leaves the top, but
+    # every crossing and the start of every line stay in view.
+    span = max((extra for extra, _ in costs.values()), default=0.0)
+    steps = [float(v) for v in torch.logspace(0, math.log10(horizon), 60).tolist()]
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for label, (extra, saving) in costs.items():
+        even = evens[label]
+        if even is None:
+            where = "never (not faster here)"
+        else:
+            where = f"after {even:,.0f} steps" if even else "from the first step"
+        line = ax.plot(steps, [seconds_saved(extra, saving, n) for n in steps],
+                       label=f"{label}: pays off {where}")  # fmt: skip
+        if even:  # a crossing after step 1 (a log axis has no 0)
+            ax.plot([even], [0.0], marker="o", color=line[0].get_color())
+    ax.axhline(0.0, linestyle="--", color="grey", linewidth=1)
+    ax.set_xscale("log")
+    if span > 0 and found:
+        ax.set_ylim(-1.2 * span, 3.4 * span)
+    plain_ticks(ax)
+    ax.set_xlabel("training steps (log scale)")
+    ax.set_ylabel("seconds saved by compiling\n(eager total - compiled total)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.legend(fontsize="small", loc="outside lower center")  # under the axes: covers no line
+    return fig
