@@ -61,7 +61,8 @@ def category_labels(ax, labels: Sequence[str], width: int = 14) -> None:
     """Run labels under bars, wrapped at ``width`` characters and slanted so none overlap."""
     import textwrap
 
-    wrapped = ["\n".join(textwrap.wrap(str(lab), width)) or str(lab) for lab in labels]
+    wrapped = ["\n".join(textwrap.wrap(str(lab), width, break_long_words=False)) or str(lab)
+               for lab in labels]  # fmt: skip
     ax.set_xticks(range(len(labels)), wrapped, rotation=30 if len(labels) > 3 else 0,
                   ha="right" if len(labels) > 3 else "center", fontsize="small")  # fmt: skip
 

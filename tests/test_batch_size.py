@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from accelerate.utils import find_executable_batch_size
@@ -9,7 +12,9 @@ from accelerate.utils.memory import should_reduce_batch_size
 from matplotlib.figure import Figure
 
 from helpers.lessons.batch_size import (
+    MatmulTimingResult,
     halving,
+    largest_fitting,
     matmul_figure,
     matmul_timing,
     raise_if_oom,
@@ -18,8 +23,9 @@ from helpers.lessons.batch_size import (
     throughput_memory_figure,
 )
 from helpers.memory import CategoryTracker
-from helpers.names import MiB
+from helpers.names import GiB, MiB
 from helpers.results import Record
+from tests.plot_checks import figure_problems
 
 CPU = torch.device("cpu")
 
@@ -93,3 +99,52 @@ def test_matmul_timing_and_figures():
     assert isinstance(matmul_figure(timing), Figure)
     fig = throughput_memory_figure([1, 2, 4], [1.0, 1.8, 3.0], [MiB, 2 * MiB, 4 * MiB], 3 * MiB, 2)
     assert isinstance(fig, Figure)
+
+
+def test_figures_have_no_drawing_problems():
+    # Shaped like the lesson's: the tiny scale sweeps batches 1 to 64 (peaks of a few MiB to
+    # over 64), the full scale 1 to 8 (GiB); the matmul sizes are the anchor +- 8.
+    tiny = [2**i for i in range(7)]
+    fig = throughput_memory_figure(
+        tiny, [40.0 * b / (b + 2) for b in tiny], [(6 + 1.5 * b) * MiB for b in tiny],
+        budget=64 * MiB, found=32, title="bert-tiny, seq 64, fp32 AdamW, a 2-core CPU",
+        ranges=[(30.0 * b / (b + 2), 45.0 * b / (b + 2)) for b in tiny],
+    )  # fmt: skip
+    assert figure_problems(fig) == []
+    full = [1, 2, 4, 8]
+    fig = throughput_memory_figure(
+        full, [9.0, 15.0, 20.0, 22.0], [b * 3 * GiB + 5 * GiB for b in full],
+        budget=16 * GiB, found=2, title="bert-large, seq 512, fp32 AdamW, NVIDIA H100 80GB HBM3",
+    )  # fmt: skip
+    assert figure_problems(fig) == []
+    for anchor in (512, 4096):
+        sizes = list(range(anchor - 8, anchor + 9))
+        timing = MatmulTimingResult("bfloat16")
+        timing.tflops = {n: 100.0 if n % 8 == 0 else 60.0 for n in sizes}
+        assert figure_problems(matmul_figure(timing, title=f"bfloat16 matmuls, n={anchor}")) == []
+
+
+def test_largest_fitting_reads_the_measured_peaks():
+    peaks = {1: 5 * MiB, 2: 6 * MiB, 4: 8 * MiB, 8: 12 * MiB}
+    assert largest_fitting(peaks, 8 * MiB) == 4  # a peak equal to the budget fits
+    assert largest_fitting(peaks, 12 * MiB - 1) == 4
+    assert largest_fitting(peaks, 64 * MiB) == 8
+    assert largest_fitting(peaks, 4 * MiB) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="deepspeed finds the GPU and stays quiet")
+def test_deepspeed_accelerator_warning_is_silenced():
+    # The import that a Trainer's creation triggers, in a fresh interpreter (deepspeed warns
+    # once per process), with and without the filter: the control shows the check can fail.
+    pytest.importorskip("deepspeed")
+    code = (
+        "from helpers.lessons.batch_size import quiet_import_probes\n"
+        "with {}:\n    import deepspeed\n"
+    )
+    warning = "Setting accelerator to CPU"
+    quiet = subprocess.run([sys.executable, "-c", code.format("quiet_import_probes()")],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    loud = subprocess.run([sys.executable, "-c", code.format("open('/dev/null')")],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    assert warning in loud.stdout + loud.stderr
+    assert warning not in quiet.stdout + quiet.stderr

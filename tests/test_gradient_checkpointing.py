@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 
@@ -15,12 +16,16 @@ from helpers.lessons.gradient_checkpointing import (
     enable_checkpointing,
     optimal_segments,
     paired_step_times,
+    partial_checkpoint_memory,
     predicted_activation_bytes,
+    predicted_partial_activation_bytes,
     saved_bytes_per_block,
+    segments_figure,
     stack_step_memory,
 )
 from helpers.models import build_model, load_config
 from helpers.train import RunConfig, measure
+from tests.plot_checks import figure_problems
 
 
 def _grads(segments: int, dropout: float):
@@ -110,3 +115,31 @@ def test_checkpointing_can_be_switched_off_and_on_between_steps():
     assert forward_calls() == 1
     enable_checkpointing(model)
     assert forward_calls() == 2
+
+
+@pytest.mark.parametrize("checkpointed", [0, 1, 4, 7, 8])
+def test_partial_checkpointing_memory_matches_the_arithmetic(checkpointed):
+    # 2 %, as for the segments: room for a kernel's small extra tensor (the loss scalar here).
+    n, width, rows = 8, 32, 64
+    measured = partial_checkpoint_memory(n, width, rows, checkpointed).activations
+    predicted = predicted_partial_activation_bytes(n, checkpointed, rows, width)
+    assert measured == pytest.approx(predicted, rel=0.02)
+
+
+def test_partial_checkpointing_falls_linearly_until_the_last_block():
+    n, width, rows = 8, 32, 64
+    _, inside = saved_bytes_per_block(rows, width)
+    pred = [predicted_partial_activation_bytes(n, k, rows, width) for k in range(n + 1)]
+    assert all(a - b == inside for a, b in itertools.pairwise(pred[:-1]))
+    assert 0 < pred[-2] - pred[-1] < inside  # one block's inside comes back to be recomputed
+
+
+def test_segments_figure_has_no_drawing_problems():
+    # As in the lesson: 16 blocks, a = 3.03 c, counts 1 to 16; memory in units of c.
+    counts, n, ratio = [1, 2, 4, 8, 16], 16, 4.03
+    predicted = [(s - 1) + n / s * ratio + 1 for s in counts]
+    measured = [p + 1e-5 for p in predicted]
+    peaks = [m + 0.8 + 0.1 * i for i, m in enumerate(measured)]
+    fig = segments_figure(counts, predicted, measured, peaks, optimal_segments(n, 1024, 64),
+                          title="16 blocks: memory against the number of segments")  # fmt: skip
+    assert figure_problems(fig) == []

@@ -12,7 +12,9 @@ import time
 from dataclasses import replace
 
 import torch
+from matplotlib.figure import Figure
 
+from helpers.plots import category_labels
 from helpers.results import Record
 
 FP32_EPS = torch.finfo(torch.float32).eps  # 2**-23: the spacing of fp32 numbers near 1
@@ -79,24 +81,23 @@ def target_count(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != -100).sum())
 
 
-def error_bars(errors: dict[str, float], tolerance: float, title: str = ""):
+def error_bars(errors: dict[str, float], tolerance: float, title: str = "") -> Figure:
     """Bars of gradient errors (fraction of max |g|) on a log axis, the tolerance as a line."""
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(max(5, 1.2 * len(errors) + 2), 3.8), layout="constrained")
     ax = fig.add_subplot()
     floor = tolerance * 1e-3  # an exact match (error 0) still gets a visible stub
     values = [max(v, floor) for v in errors.values()]
     colors = ["#55A868" if v <= tolerance else "#C44E52" for v in errors.values()]
-    rects = ax.bar(list(errors), values, color=colors)
+    rects = ax.bar(range(len(errors)), values, color=colors)
     ax.bar_label(rects, labels=[f"{v:.1e}" for v in errors.values()], fontsize="small")
     ax.axhline(tolerance, linestyle="--", color="grey", linewidth=1)
     ax.annotate("tolerance", (0, tolerance), textcoords="offset points", xytext=(0, 3),
                 fontsize="small")  # fmt: skip
     ax.set_yscale("log")
+    ax.set_ylim(top=10 * max(values))  # room above the tallest bar for its label
     ax.set_ylabel("max |difference| / max |g|")
     ax.set_title(title)
-    ax.tick_params(axis="x", labelrotation=20)
+    category_labels(ax, list(errors))  # wrapped and slanted, so long run names do not overlap
     return fig
 
 
@@ -121,3 +122,59 @@ def throughput(cfg) -> Record:
         losses=trainee.losses,
         wall_s=time.perf_counter() - t0,
     )
+
+
+def naive_and_token_errors(
+    model: torch.nn.Module, rows: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    """Errors of two accumulations of ``rows``, one row per micro-batch, against the whole batch.
+
+    "naive": each micro-batch's mean loss divided by the number of micro-batches; "token-
+    weighted": each micro-batch's loss summed and divided by the targets of the whole batch
+    (transformers' ``num_items_in_batch``). Errors are ``max_error``: a fraction of max |g|.
+    """
+    model.zero_grad(set_to_none=True)
+    model(**rows).loss.backward()
+    big = flat_grad(model)
+    parts = split(rows, 1)
+    n_total = target_count(rows["labels"])
+    out = {}
+    schemes = [("naive", {}, 1 / len(parts)),
+               ("token-weighted", {"num_items_in_batch": n_total}, 1.0)]  # fmt: skip
+    for name, kwargs, scale in schemes:
+        model.zero_grad(set_to_none=True)
+        for part in parts:
+            (model(**part, **kwargs).loss * scale).backward()
+        out[name] = max_error(flat_grad(model), big)
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def throughput_groups_figure(
+    groups: dict[str, dict[str, tuple[float, float, float]]],
+    ylabel: str = "samples/s",
+    title: str = "",
+) -> Figure:
+    """One panel per effective batch: samples/s of its splits (m×k), side by side.
+
+    ``groups`` maps a panel title (an effective batch) to {split: (median, slowest, fastest)}:
+    the median round and the range of the interleaved rounds, drawn as an error bar. Splits
+    compare within a panel only, so each panel has its own y axis.
+    """
+    fig = Figure(figsize=(4.2 * len(groups) + 1, 3.8), layout="constrained")
+    axes = fig.subplots(1, len(groups), squeeze=False)[0]
+    for ax, (name, rates) in zip(axes, groups.items(), strict=True):
+        medians = [r[0] for r in rates.values()]
+        errors = [[m - r[1] for m, r in zip(medians, rates.values(), strict=True)],
+                  [r[2] - m for m, r in zip(medians, rates.values(), strict=True)]]  # fmt: skip
+        rects = ax.bar(range(len(rates)), medians, color="#4C72B0", yerr=errors, capsize=4,
+                       ecolor="#333333")  # fmt: skip
+        ax.bar_label(rects, labels=[f"{m:.3g}" for m in medians], fontsize="small",
+                     label_type="center", color="white")  # fmt: skip
+        category_labels(ax, list(rates))
+        ax.set_title(name)
+        ax.set_xlabel("split: micro-batch × accumulation steps", fontsize="small")
+        ax.set_ylabel(ylabel)
+    fig.suptitle(title)
+    fig.supxlabel("bar: median round; line: slowest to fastest round", fontsize="x-small")
+    return fig

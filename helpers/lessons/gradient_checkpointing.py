@@ -9,11 +9,13 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 import torch
+from matplotlib.figure import Figure
 from torch import nn
-from torch.utils.checkpoint import checkpoint_sequential
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from helpers.memory import CategoryPeaks, CategoryTracker
 from helpers.models import enable_checkpointing
+from helpers.plots import legend_outside, plain_ticks
 
 
 class Block(nn.Module):
@@ -103,6 +105,70 @@ def segment_sweep(
 ) -> dict[int, CategoryPeaks]:
     """``stack_step_memory`` for each segment count: {segments: its per-category peaks}."""
     return {s: stack_step_memory(n_blocks, width, rows, s, expansion) for s in segment_counts}
+
+
+def partial_checkpoint_memory(
+    n_blocks: int, width: int, rows: int, checkpointed: int, expansion: int = 1, seed: int = 0
+) -> CategoryPeaks:
+    """Exact per-category peaks (bytes) of forward + backward with the first ``checkpointed``
+    blocks each wrapped in ``checkpoint`` and the others run plainly."""
+    stack = block_stack(n_blocks, width, expansion, seed=seed)
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed))
+    tracker = CategoryTracker()
+    tracker.track_external(stack)
+    with tracker:
+        y = x
+        for i, block in enumerate(stack):
+            y = checkpoint(block, y, use_reentrant=False) if i < checkpointed else block(y)
+        y.square().mean().backward()
+        del y
+    return tracker.peaks()
+
+
+def predicted_partial_activation_bytes(
+    n_blocks: int, checkpointed: int, rows: int, width: int, expansion: int = 1
+) -> int:
+    """Activation bytes at the peak of ``partial_checkpoint_memory``, by arithmetic.
+
+    When the backward starts: every block's input (c each), the inside of every plain block,
+    and the stack's output, which the loss saved: (n + 1) c + (n - k) inside, falling by one
+    inside per checkpointed block. The checkpointed blocks are recomputed later, one at a time,
+    after the plain blocks' insides are gone: n c + inside, which is the peak only when every
+    block is checkpointed (k = n).
+    """
+    c, inside = saved_bytes_per_block(rows, width, expansion)
+    at_start = (n_blocks + 1) * c + (n_blocks - checkpointed) * inside
+    recomputing = n_blocks * c + inside if checkpointed else 0
+    return max(at_start, recomputing)
+
+
+def segments_figure(
+    counts: list[int],
+    predicted: list[float],
+    measured: list[float],
+    peaks: list[float],
+    s_star: float,
+    title: str = "",
+) -> Figure:
+    """Memory against the number of ``checkpoint_sequential`` segments, in units of one block
+    input: the arithmetic (dashed), the measured activations and the measured peak; s* dotted."""
+    fig = Figure(figsize=(8, 4), layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot(counts, peaks, marker="o", color="#C44E52", label="measured peak, everything tracked")
+    ax.plot(counts, measured, marker="o", color="#8172B2", label="measured activations")
+    ax.plot(counts, predicted, linestyle="--", color="black", linewidth=1, zorder=3,
+            label="predicted (s-1)c + (N/s)(a+c) + loss input")  # fmt: skip
+    ax.axvline(s_star, color="grey", linestyle=":", linewidth=1,
+               label=f"s* = sqrt(N(a+c)/c) = {s_star:.1f}")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    plain_ticks(ax, counts)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("segments (checkpoint_sequential)")
+    ax.set_ylabel("memory / size of one block input")
+    ax.grid(alpha=0.3)
+    legend_outside(ax)
+    ax.set_title(title)
+    return fig
 
 
 @dataclass
