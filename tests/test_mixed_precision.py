@@ -11,17 +11,24 @@ from helpers.lessons.mixed_precision import (
     DTYPES,
     FORMAT_BITS,
     cpu_16bit_instructions,
+    cpu_16bit_sentence,
     crossover_figure,
     float_format,
     linear_params,
     loss_figure,
     markov_runs,
     measure_series,
+    moving_average,
     peak_phase,
+    quiet_libraries,
     range_figure,
+    scaler_trace,
+    skipped_steps,
 )
 from helpers.models import build_model, load_config
+from helpers.names import MiB
 from helpers.train import RunConfig, TrainResult, train_markov
+from tests.plot_checks import figure_problems
 
 CPU = torch.device("cpu")
 
@@ -56,6 +63,15 @@ def test_cpu_16bit_instructions_is_a_flag_dict_or_unknown():
     assert flags is None or (
         set(flags) == {"bf16", "fp16"} and all(isinstance(v, bool) for v in flags.values())
     )
+
+
+def test_cpu_16bit_sentence_names_what_the_cpu_has():
+    both = cpu_16bit_sentence({"bf16": True, "fp16": False})
+    assert "has bf16 arithmetic instructions" in both and "no fp16" in both
+    assert "{" not in both  # a sentence, not the dict
+    assert "has no bf16 or fp16" in cpu_16bit_sentence({"bf16": False, "fp16": False})
+    assert "could not be read" in cpu_16bit_sentence(None)
+    assert cpu_16bit_sentence(cpu_16bit_instructions()).endswith(".")
 
 
 def test_linear_params_counts_linear_weights_and_biases():
@@ -101,6 +117,70 @@ def test_markov_runs_same_seed_same_start():
     assert first.losses == second.losses  # same seed: same weights and batches, nothing carried
 
 
+def test_scaler_trace_skips_overflowing_steps():
+    if precision_problem("fp16", CPU):
+        pytest.skip(precision_problem("fp16", CPU))
+    # Interval 1: back to 2^16 after every clean step, so every other step overflows.
+    rows = scaler_trace(CPU, 6, growth_interval=1)
+    assert [r["gradients finite"] for r in rows] == [False, True] * 3
+    assert all(r["weights changed"] == r["gradients finite"] for r in rows)
+    # Interval 3: one skipped step, then three clean ones at 2^15.
+    rows = scaler_trace(CPU, 8, growth_interval=3)
+    assert sum(not r["gradients finite"] for r in rows) == 2
+    # Started low, nothing overflows until the scale has grown back to 2^16.
+    rows = scaler_trace(CPU, 4, growth_interval=1, init_scale=2.0**14)
+    assert [r["scale used"] for r in rows] == [2.0**14, 2.0**15, 2.0**16, 2.0**15]
+
+
+def test_skipped_steps_counts_backoffs():
+    assert skipped_steps([]) == 0
+    assert skipped_steps([65536.0, 65536.0]) == 0
+    assert skipped_steps([32768.0, 32768.0, 65536.0, 32768.0]) == 2
+    assert skipped_steps([8.0, 4.0], init_scale=16.0) == 2
+
+
+def test_moving_average():
+    assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert moving_average([2.0, 4.0], 1) == [2.0, 4.0]
+    assert moving_average([], 3) == []
+
+
+def _mem(peak_mib: float, activations_mib: float, copies_mib: float) -> dict:
+    return {
+        "peak": int(peak_mib * MiB),
+        "activations": int(activations_mib * MiB),
+        "weight_copies": int(copies_mib * MiB),
+        "params": 1,
+    }
+
+
+def _run(precision: str, steps: int, start: float, end: float, wobble: float) -> TrainResult:
+    """A noisy falling loss curve shaped like the lesson's (log vocab -> near the best)."""
+    g = torch.Generator().manual_seed(len(precision) + steps)
+    noise = (wobble * torch.randn(steps, generator=g)).tolist()
+    losses = [end + (start - end) * 0.98**i + n for i, n in enumerate(noise)]
+    return TrainResult(precision, losses, [0.01] * steps, best_loss=1.07, uniform_loss=4.16)
+
+
+@pytest.mark.parametrize("scale", ["tiny", "full"])
+def test_figures_have_no_drawing_problems(scale):
+    marks = {"a gradient of 1e-8": 1e-8, "the same x 65536": 1e-8 * 2**16}
+    assert figure_problems(range_figure(list(FORMAT_BITS), marks)) == []
+    assert figure_problems(range_figure(["fp16", "bf16"])) == []
+    batches = [8, 16, 32, 64]
+    if scale == "tiny":  # bert-tiny at length 8: fractions of a MiB
+        fp32 = [_mem(3 + 0.1 * b, 0.08 * b, 0) for b in batches]
+        half = [_mem(3.2 + 0.06 * b, 0.05 * b, 0.6) for b in batches]
+        precisions, steps = ("fp32", "fp16", "bf16"), 300
+    else:  # bert-large at length 64 on a GPU: thousands of MiB
+        fp32 = [_mem(5000 + 40 * b, 35 * b, 0) for b in batches]
+        half = [_mem(5600 + 22 * b, 20 * b, 600) for b in batches]
+        precisions, steps = ("fp32", "tf32", "fp16", "bf16"), 133
+    assert figure_problems(crossover_figure(batches, fp32, half, "bf16")) == []
+    runs = {p: _run(p, steps, 6.9, 1.3, 0.25) for p in precisions}
+    assert figure_problems(loss_figure(runs)) == []
+
+
 def test_figures_are_figures():
     mem = {"peak": 10, "activations": 4, "weight_copies": 1, "params": 1}
     half = {"peak": 9, "activations": 2, "weight_copies": 1, "params": 1}
@@ -108,3 +188,22 @@ def test_figures_are_figures():
     assert isinstance(crossover_figure([8, 16], [mem, mem], [half, half]), Figure)
     run = TrainResult("fp32", losses=[3.0, 2.0], step_times=[0.1, 0.1], best_loss=1, uniform_loss=4)
     assert isinstance(loss_figure({"fp32": run, "bf16": TrainResult("bf16", [3.0, 2.1])}), Figure)
+
+
+def test_quiet_libraries_drops_two_notices_only_and_restores():
+    import logging
+
+    bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    deepspeed = logging.getLogger("DeepSpeed")
+    before = bnb.level
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("DeepSpeed", logging.WARNING, "x.py", 1, msg, None, None)
+
+    with quiet_libraries():
+        assert not bnb.isEnabledFor(logging.WARNING)  # the Hub-kernel warning's level
+        assert bnb.isEnabledFor(logging.ERROR)  # real errors still show
+        assert not deepspeed.filter(record("Setting accelerator to CPU. If you have GPU ..."))
+        assert deepspeed.filter(record("something else"))
+    assert bnb.level == before
+    assert deepspeed.filter(record("Setting accelerator to CPU."))  # filter removed

@@ -8,6 +8,8 @@ is not a torch dtype) gets the same row as fp32, fp16 and bf16.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -15,6 +17,7 @@ import torch
 from matplotlib.figure import Figure
 
 from helpers.names import MiB
+from helpers.progress import progress
 from helpers.train import TrainResult, train_markov
 
 # name: (exponent bits, explicit mantissa bits); one sign bit on top.
@@ -74,6 +77,36 @@ class FloatFormat:
         }
 
 
+def _cpu_accelerator_notice(record: logging.LogRecord) -> bool:
+    """False for DeepSpeed's "Setting accelerator to CPU" notice (a logging filter)."""
+    return not record.getMessage().startswith("Setting accelerator to CPU")
+
+
+@contextlib.contextmanager
+def quiet_libraries():
+    """Inside: two library notices that teach nothing in these lessons are not shown.
+
+    - bitsandbytes' CPU backend, on a CPU with avx512_bf16, tries at import to fetch a 4-bit
+      matmul kernel from the Hugging Face Hub ("kernels-community") and warns when the
+      ``kernels`` package is missing or offline. Importing transformers' Trainer imports
+      peft, which imports bitsandbytes. 4-bit matmuls are QLoRA's (lesson 11), not ours.
+    - DeepSpeed, when the Trainer asks it for an accelerator on a machine without a GPU,
+      says it falls back to the CPU. The lesson prints the device itself.
+
+    Other warnings and errors of both libraries still show.
+    """
+    bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    deepspeed = logging.getLogger("DeepSpeed")  # deepspeed.utils.logging's logger
+    level = bnb.level
+    bnb.setLevel(logging.ERROR)
+    deepspeed.addFilter(_cpu_accelerator_notice)  # survives DeepSpeed setting up its logger
+    try:
+        yield
+    finally:
+        bnb.setLevel(level)
+        deepspeed.removeFilter(_cpu_accelerator_notice)
+
+
 def float_format(name: str) -> FloatFormat:
     """The format by course name: fp32, tf32, fp16 or bf16."""
     if name not in FORMAT_BITS:
@@ -96,6 +129,23 @@ def cpu_16bit_instructions() -> dict[str, bool] | None:
         "bf16": bool({"avx512_bf16", "amx_bf16"} & set(flags)),
         "fp16": bool({"avx512_fp16", "amx_fp16"} & set(flags)),
     }
+
+
+def cpu_16bit_sentence(flags: Mapping[str, bool] | None) -> str:
+    """``cpu_16bit_instructions()`` as a sentence a learner reads (which formats, which flags)."""
+    if flags is None:
+        return "This CPU's instruction flags could not be read (no /proc/cpuinfo here)."
+    have = [p for p in ("bf16", "fp16") if flags[p]]
+    lack = [p for p in ("bf16", "fp16") if not flags[p]]
+    parts = []
+    if have:
+        parts.append(f"has {' and '.join(have)} arithmetic instructions")
+    if lack:
+        parts.append(f"has no {' or '.join(lack)} arithmetic instructions")
+    return (
+        f"This CPU {' but '.join(parts)} (Linux flags avx512_bf16/amx_bf16 and "
+        "avx512_fp16/amx_fp16): a format without them runs its matmuls in slower emulation."
+    )
 
 
 def linear_params(model: str) -> int:
@@ -122,12 +172,58 @@ def measure_series(cfgs: Sequence) -> list:
     """``helpers.train.measure`` of each RunConfig in turn, in this process; OOM comes back."""
     from helpers.isolate import run
 
-    return [run(cfg, isolate=False) for cfg in cfgs]
+    return [run(cfg, isolate=False) for cfg in progress(cfgs, "memory runs")]
 
 
 def markov_runs(cfgs: Sequence, steps: int) -> list[TrainResult]:
     """``helpers.train.train_markov`` of each RunConfig in turn, in this process (isolate it)."""
-    return [train_markov(cfg, steps) for cfg in cfgs]
+    return [train_markov(cfg, steps) for cfg in progress(cfgs, "training runs")]
+
+
+def scaler_trace(
+    device: torch.device, steps: int, growth_interval: int, init_scale: float = 2.0**16
+) -> list[dict]:
+    """Section 3's GradScaler experiment as rows: a Linear whose bias gradient is exactly 1.
+
+    Each row: the scale a step used, whether its gradients were finite, whether the weights
+    changed, and the scale after it. Under fp16 autocast the scaled bias gradient overflows
+    once the scale reaches 2^16 (65536 > 65504, fp16's largest value).
+    """
+    from helpers.train import train_step
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(16, 16).to(device)
+    sgd = torch.optim.SGD(net.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler(
+        device.type, init_scale=init_scale, growth_interval=growth_interval
+    )
+    inputs = torch.randn(8, 16).to(device)
+    rows, finite = [], []
+    for _ in range(steps):
+        before = net.weight.detach().clone()
+        used = scaler.get_scale()
+        train_step(
+            net, sgd, [inputs], precision="fp16", scaler=scaler,
+            loss_of=lambda model, batch: model(batch).float().sum() / len(batch),
+            on_gradients=lambda: finite.append(
+                all(torch.isfinite(p.grad).all().item() for p in net.parameters())
+            ),
+        )  # fmt: skip
+        rows.append(
+            {
+                "scale used": used,
+                "gradients finite": finite[-1],
+                "weights changed": not torch.equal(before, net.weight),
+                "scale after": scaler.get_scale(),
+            }
+        )
+    return rows
+
+
+def skipped_steps(scales: Sequence[float], init_scale: float = 2.0**16) -> int:
+    """Steps a GradScaler skipped, from the scale after each step: every skip lowers it."""
+    before = [init_scale, *scales][: len(scales)]
+    return sum(after < prev for prev, after in zip(before, scales, strict=True))
 
 
 def range_figure(names: Sequence[str], marks: Mapping[str, float] | None = None) -> Figure:
@@ -199,22 +295,39 @@ def crossover_figure(
     return fig
 
 
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Mean of each value and the ``window - 1`` before it (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def loss_figure(runs: Mapping[str, TrainResult], reference: str = "fp32") -> Figure:
-    """Left: loss curves and the task's best and uniform losses; right: minus ``reference``."""
+    """Left: loss curves and the task's best and uniform losses; right: minus ``reference``.
+
+    Per-step losses of small batches are noisy, so both panels show a moving average over
+    a thirtieth of the run (at least 1 step), named in the axis labels.
+    """
     fig = Figure(figsize=(11, 4), layout="constrained")
     left, right = fig.subplots(1, 2)
     styles = ["-", "--", ":", "-."]
-    base = runs[reference].losses
+    window = max(1, len(runs[reference].losses) // 30)
+    base = moving_average(runs[reference].losses, window)
     for i, (name, run) in enumerate(runs.items()):
         steps = range(1, len(run.losses) + 1)
+        smooth = moving_average(run.losses, window)
         style = {
             "label": name,
             "color": FORMAT_COLORS.get(run.precision),
             "linestyle": styles[i % len(styles)],
             "linewidth": 2.5 if i == 0 else 1.5,
         }
-        left.plot(steps, run.losses, **style)
-        right.plot(steps, [a - b for a, b in zip(run.losses, base, strict=True)], **style)
+        left.plot(steps, smooth, **style)
+        right.plot(steps, [a - b for a, b in zip(smooth, base, strict=True)], **style)
     first = runs[reference]
     for label, y in (
         ("best possible (entropy rate)", first.best_loss),
@@ -222,9 +335,10 @@ def loss_figure(runs: Mapping[str, TrainResult], reference: str = "fp32") -> Fig
     ):
         left.axhline(y, color="grey", linestyle="--", linewidth=1)
         left.annotate(label, (1, y), xytext=(0, 3), textcoords="offset points", fontsize="small")
-    left.set_ylabel("training loss (nats/token)")
+    mean_of = f" (mean of {window} steps)" if window > 1 else ""
+    left.set_ylabel(f"training loss, nats/token{mean_of}")
     left.set_title("The learnable task in each precision")
-    right.set_ylabel(f"loss minus the {reference} run's loss")
+    right.set_ylabel(f"loss minus the {reference} run's loss{mean_of}")
     right.set_title(f"Difference from {reference}, step by step")
     for ax in (left, right):
         ax.set_xlabel("optimizer step")

@@ -9,16 +9,44 @@ The state rules themselves are core machinery: ``helpers.optimizer_state``.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 import torch
 
 from helpers.data import MarkovTask, markov_dataset
 from helpers.device import resolve
+from helpers.lessons.mixed_precision import quiet_libraries
 from helpers.models import build_model, load_config, task_kind
 from helpers.optimizer_state import StateTensor, read_state
+from helpers.progress import progress
 from helpers.timing import Comparison, compare_calls
 from helpers.train import RunConfig, TrainResult, quiet_trainer, train_markov, trainer_arguments
+
+
+def import_bitsandbytes():
+    """The bitsandbytes module, imported without its Hub-kernel warning; None if not installed.
+
+    (``helpers.lessons.mixed_precision.quiet_libraries`` says what the warning is about.)
+    """
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return None
+    with quiet_libraries():
+        import bitsandbytes
+
+    return bitsandbytes
+
+
+def measure_quietly(cfg: RunConfig):
+    """``helpers.isolate.run(cfg, isolate=False)`` without two library notices (quiet_libraries).
+
+    Meant for ``helpers.isolate.call_isolated``: the fresh process imports bitsandbytes for an
+    8-bit optimizer, and its import warning would reach the notebook.
+    """
+    from helpers.isolate import run
+
+    with quiet_libraries():
+        return run(cfg, isolate=False)
 
 
 @dataclass
@@ -90,7 +118,11 @@ def markov_curves(runs: dict[str, tuple[RunConfig, float]], steps: int) -> Marko
     share one process only to pay the imports once. The reference losses are the first run's
     task's (runs with one seed and vocabulary share the task).
     """
-    curves = {label: train_markov(cfg, steps, lr) for label, (cfg, lr) in runs.items()}
+    with quiet_libraries():  # an 8-bit run imports bitsandbytes in this (fresh) process
+        curves = {
+            label: train_markov(cfg, steps, lr)
+            for label, (cfg, lr) in progress(runs.items(), "training runs", total=len(runs))
+        }
     first = next(iter(curves.values()))
     return MarkovCurvesResult(curves, first.best_loss, first.uniform_loss)
 
@@ -115,7 +147,11 @@ def trainer_states(
     bitsandbytes' GlobalOptimManager for 32-bit state, and ``read_state`` of the optimizer.
     A name that fails (bitsandbytes missing, say) comes back with its ``error`` set.
     """
-    return {optim: _trainer_state(model_name, optim, steps, seed) for optim in optims}
+    with quiet_libraries():  # DeepSpeed's CPU notice, bitsandbytes' import warning
+        return {
+            optim: _trainer_state(model_name, optim, steps, seed)
+            for optim in progress(optims, "Trainer optimizers")
+        }
 
 
 def _trainer_state(model_name: str, optim: str, steps: int, seed: int) -> TrainerStateResult:
