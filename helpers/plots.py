@@ -123,9 +123,10 @@ def lines(
         errors = [[y - lo for y, (lo, _) in zip(ys, spans, strict=True)],
                   [hi - y for y, (_, hi) in zip(ys, spans, strict=True)]]  # fmt: skip
         ax.errorbar(x, ys, yerr=errors, marker="o", capsize=3, label=name)
-    for name, y in (hlines or {}).items():
+    for name, y in (hlines or {}).items():  # labelled outside the axes, clear of the curves
         ax.axhline(y, linestyle="--", color="grey", linewidth=1)
-        ax.annotate(name, (x[0], y), textcoords="offset points", xytext=(0, 3), fontsize="small")
+        ax.annotate(name, (1.0, y), xycoords=("axes fraction", "data"), xytext=(3, 0),
+                    textcoords="offset points", fontsize="small", va="center")  # fmt: skip
     ax.set_xscale("log" if logx else "linear")
     ax.set_yscale("log" if logy else "linear")
     plain_ticks(ax, x)
@@ -159,8 +160,15 @@ def bars(
     rects = ax.bar(list(values), list(values.values()), color="#4C72B0", yerr=errors,
                    capsize=4, ecolor="#333333")  # fmt: skip
     labels = [fmt.format(v) for v in values.values()]
-    if ranges:  # inside the bars, clear of the error bars
-        ax.bar_label(rects, labels=labels, fontsize="small", label_type="center", color="white")
+    if ranges:  # inside the bars, clear of the error bars; a short bar's above its range
+        top = max(hi for _, hi in ranges.values())
+        tall = [v >= 0.15 * top for v in values.values()]
+        ax.bar_label(rects, labels=[lab if t else "" for lab, t in zip(labels, tall, strict=True)],
+                     fontsize="small", label_type="center", color="white")  # fmt: skip
+        for i, (key, lab) in enumerate(zip(values, labels, strict=True)):
+            if not tall[i]:
+                ax.annotate(lab, (i, ranges[key][1]), xytext=(0, 3), textcoords="offset points",
+                            ha="center", fontsize="small")  # fmt: skip
     else:
         ax.bar_label(rects, labels=labels, fontsize="small", padding=2)
     if ranges:

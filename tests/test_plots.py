@@ -97,3 +97,19 @@ def test_large_sizes_on_a_log_axis_read_as_whole_numbers():
     fig = plots.lines(sizes, {"eager": [4.0, 3.0, 2.5, 2.4]}, "elements", "ns", logx=True)
     assert figure_problems(fig) == []
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()][-1] == "4,194,304"
+
+
+def test_a_short_bar_with_a_range_has_its_value_above_it():
+    values = {"foreach": 5.0, "fused": 0.4, "for loop": 6.0}
+    fig = plots.bars(values, "ms", ranges={k: (0.9 * v, 1.1 * v) for k, v in values.items()})
+    assert figure_problems(fig) == []
+    ax = fig.axes[0]
+    above = [t for t in ax.texts if t.get_text() == "0.4"]
+    assert len(above) == 1 and above[0].xy[1] >= 0.44, [t.get_text() for t in ax.texts]
+
+
+def test_reference_lines_are_labelled_outside_the_axes():
+    fig = plots.lines([1, 2, 3], {"loss": [4.0, 2.0, 1.0]}, "step", "loss", hlines={"best": 1.1})
+    assert figure_problems(fig) == []
+    label = next(t for t in fig.axes[0].texts if t.get_text() == "best")
+    assert label.xy[0] == 1.0  # at the right edge, in axes fraction
