@@ -109,3 +109,27 @@ def test_cli_estimate_takes_lora_arguments(capsys):
     assert adapters > 0
     assert lora["gradients"] == 4 * adapters  # only the adapters are trained
     assert cli.main([*args, "--lora-r", "-1"]) == 2
+
+
+@pytest.mark.parametrize(
+    "trainable",
+    [[3584, 74752, 634_000], [1_600_000, 31_000_000, 400_000_000]],
+    ids=["tiny", "full"],  # lesson 13's three runs: LoRA q,v r=4, all-linear r=16, full
+)
+def test_proportion_figure_is_readable(trainable):
+    from plot_checks import figure_problems
+
+    from helpers.lessons.peft_lora import proportion_figure
+
+    fig = proportion_figure(
+        trainable,
+        {
+            "optimizer state (measured)": [8 * n + 32 for n in trainable],
+            "gradients (measured)": [4 * n for n in trainable],
+        },
+        {"8 B x trainable": 8, "4 B x trainable": 4},
+        "trainable parameters",
+        "bytes",
+        title="Gradients and optimizer state follow the trainable parameters",
+    )
+    assert figure_problems(fig) == []

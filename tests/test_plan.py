@@ -144,3 +144,64 @@ def test_cli_plan_json(capsys):
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["best"] and data["best_estimated_peak"] <= 12 * MiB
     assert data["best_measured_peak"] <= 12 * MiB and data["measured"] == 1
+
+
+def _fake_plan(cands, k=3):
+    """A plan of ``cands`` with made-up measurements: the first of the shortlist fails (out of
+    memory), the others run, the last one timed fastest."""
+    from helpers.estimator.plan import CandidateResult, Plan
+
+    picked = shortlist(cands, k)
+    failed = CandidateResult(picked[0], error="OutOfMemoryError: budget\nmore")
+    ok = [
+        CandidateResult(c, samples_per_s=10.0 + i, measured_peak=c.estimated_peak)
+        for i, c in enumerate(picked[1:])
+    ][::-1]  # fastest first, failed runs last, as plan() sorts them
+    fitting = [c for c in cands if c.fits]
+    return Plan(MODEL, BUDGET, BATCH, SEQ, "cpu", 0, len(cands), fitting, [*ok, failed],
+                ok[0], ok[1], "")  # fmt: skip
+
+
+def test_search_outcomes_account_for_every_candidate(cands):
+    from helpers.estimator.plan import OUTCOMES, search_outcomes
+
+    result = _fake_plan(cands)
+    outcomes = search_outcomes(result, cands)
+    assert [o.candidate for o in outcomes] == cands  # each once, in the search's order
+    counts = {name: sum(o.outcome == name for o in outcomes) for name in OUTCOMES}
+    fitting = sum(c.fits for c in cands)
+    assert counts == {
+        "does not fit": len(cands) - fitting,
+        "fits, not timed": fitting - 3,
+        "failed": 1,
+        "timed": 1,
+        "winner": 1,
+    }
+    by = {o.candidate: o for o in outcomes}
+    assert by[result.best.candidate].outcome == "winner"
+    assert by[result.best.candidate].samples_per_s == result.best.samples_per_s
+    assert by[result.measured[-1].candidate].why == "OutOfMemoryError: budget"  # first line
+    for o in outcomes:  # the number that decided it is in the reason
+        if o.outcome == "does not fit":
+            assert f"{o.candidate.estimated_peak / MiB:.3g} MiB" in o.why
+        if o.outcome == "fits, not timed":
+            assert o.why.startswith("cost rank ")
+
+
+def test_search_outcomes_refuse_another_search(cands):
+    from helpers.estimator.plan import search_outcomes
+
+    other = candidates(MODEL, BUDGET, BATCH // 2, SEQ, device="cpu")
+    with pytest.raises(ValueError, match="not the search"):
+        search_outcomes(_fake_plan(cands), other)
+
+
+def test_search_outcomes_change_no_estimate_cost_or_choice(cands):
+    # The report only reads: the plan and the candidates are the same objects, unchanged.
+    from helpers.estimator.plan import search_outcomes
+
+    result = _fake_plan(cands)
+    before = (list(cands), [(c.estimated_peak, c.cost, c.fits) for c in cands], result.best)
+    search_outcomes(result, cands)
+    assert (list(cands), [(c.estimated_peak, c.cost, c.fits) for c in cands], result.best) == before
+    assert candidates(MODEL, BUDGET, BATCH, SEQ, device="cpu") == cands

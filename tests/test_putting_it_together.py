@@ -113,3 +113,52 @@ def test_speed_ratio_is_the_median_of_the_rounds_when_both_come_from_one_compari
     half = with_speed(Record({**config, "label": "16-bit"}), rounds)
     assert vanilla.step_times == [4.0, 4.0, 16.0]  # seconds per step of 4 samples
     assert speed_ratio(half, vanilla) == 2.0  # every round says 2x
+
+
+# Shaped like the lesson's runs: (samples/s, peak MiB) per recipe, in SEED_RECIPES' order.
+# Tiny scale on a CPU: 16-bit several times slower, memory ratios between 0.4 and 1.1.
+TINY_RUNS = [(900, 20.0), (520, 15.0), (400, 13.5), (150, 21.0), (90, 11.0), (880, 14.0),
+             (85, 8.0), (860, 15.5), (88, 9.0)]  # fmt: skip
+# Full scale on a GPU: the guide's own shape (16-bit about 2x faster, the V100 numbers).
+FULL_RUNS = [(r.seed_samples_per_s * 3, r.seed_mb - 1000) for r in SEED_RECIPES]
+
+
+@pytest.mark.parametrize("runs", [TINY_RUNS, FULL_RUNS], ids=["tiny", "full"])
+def test_tradeoff_figure_has_no_overlapping_or_covered_labels(runs):
+    from plot_checks import figure_problems
+
+    records = {
+        r.label: _record(r.label, speed, int(mib * 2**20))
+        for r, (speed, mib) in zip(SEED_RECIPES, runs, strict=True)
+    }
+    table = ablation_table(records)
+    fig = tradeoff_figure(table, "Nine recipes: a long machine name (tiny scale) vs the V100")
+    assert figure_problems(fig) == []
+
+
+def test_search_table_groups_the_planners_search_by_outcome():
+    from helpers.estimator.plan import Candidate, SearchOutcome
+    from helpers.lessons.putting_it_together import search_table
+
+    def cand(micro, peak, fits):
+        return Candidate(micro, 8 // micro, False, "fp32", "adamw", "eager", peak, fits, 1.0)
+
+    outcomes = [SearchOutcome(cand(8, 30 * 2**20, False), "does not fit", "too big")] * 5
+    outcomes += [SearchOutcome(cand(4, 9 * 2**20, True), "fits, not timed", "rank 4")] * 3
+    outcomes += [SearchOutcome(cand(2, 8 * 2**20, True), "timed", "slower", 5.0, 8 * 2**20)] * 2
+    outcomes += [SearchOutcome(cand(1, 7 * 2**20, True), "winner", "fastest", 6.0, 7 * 2**20)]
+    table = search_table(outcomes, examples=2)
+    groups = table.index.get_level_values(0)
+    # Every outcome present, in the search's order, with its size; two examples of the big
+    # groups, every measured row.
+    assert list(dict.fromkeys(groups)) == [
+        "does not fit (5 of 11)",
+        "fits, not timed (3 of 11)",
+        "timed (2 of 11)",
+        "winner (1 of 11)",
+    ]
+    assert list(groups).count("does not fit (5 of 11)") == 2
+    assert list(groups).count("timed (2 of 11)") == 2
+    assert table.index.get_level_values(1)[0] == "mb8 x ga1, fp32, adamw, eager"
+    assert table["estimated peak MiB"].tolist() == [30, 30, 9, 9, 8, 8, 7]
+    assert table.loc["winner (1 of 11)", "why"].item() == "fastest"

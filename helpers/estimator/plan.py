@@ -472,3 +472,71 @@ def explain(best, runner, cands, budget, measured, timing=None) -> str:
                 text += "; the rounds overlap, so the two are not separated: more rounds would tell"
         text += ")."
     return text
+
+
+@dataclass(frozen=True)
+class SearchOutcome:
+    """What the planner did with one candidate of its search, and why (``search_outcomes``)."""
+
+    candidate: Candidate
+    outcome: str  # one of OUTCOMES
+    why: str  # one line, with the number that decided it
+    samples_per_s: float | None = None  # timed candidates only
+    measured_peak: int | None = None  # measured candidates only
+
+
+# The outcomes, in the order the search reaches them (the last one is the answer).
+OUTCOMES = (
+    "does not fit",  # estimated peak above the usable budget: pruned without running
+    "fits, not timed",  # the cost model ranked others first
+    "failed",  # ran, but out of memory under the budget (or another error)
+    "timed",  # ran and was timed: slower than the winner
+    "winner",
+)
+
+
+def search_outcomes(result: Plan, cands: list[Candidate]) -> list[SearchOutcome]:
+    """Every candidate of ``result``'s search with what happened to it, in ``cands``'s order.
+
+    ``cands`` is the search itself, ``candidates(...)`` called with the arguments ``plan`` got
+    (the plan keeps only the fitting ones); ValueError when it is not the same search.
+    Reports only: nothing is estimated, ranked or chosen anew.
+    """
+    fitting = [c for c in cands if c.fits]
+    if len(cands) != result.considered or fitting != result.fitting:
+        raise ValueError("cands is not the search this plan made: call candidates() as plan did")
+    limit = usable_budget(result.budget, torch.device(result.device))
+    rank = {c: i + 1 for i, c in enumerate(fitting)}
+    measured = {m.candidate: m for m in result.measured}
+    timed_kinds = {_kind(c): c for c in measured}
+    out = []
+    for c in cands:
+        m = measured.get(c)
+        if not c.fits:
+            why = f"estimated peak {_fmt(c.estimated_peak)} > usable budget {_fmt(limit)}"
+            out.append(SearchOutcome(c, "does not fit", why))
+        elif m is None:
+            twin = timed_kinds.get(_kind(c))
+            why = f"cost rank {rank[c]} of {len(fitting)}"
+            if twin is not None:
+                why += f"; {twin.label.split(',')[0]} of the same kind was timed instead"
+            else:
+                why += f"; the {len(measured)} timing slots went to cheaper kinds"
+            out.append(SearchOutcome(c, "fits, not timed", why))
+        elif not m.ok:
+            out.append(SearchOutcome(c, "failed", str(m.error).splitlines()[0], None, None))
+        else:
+            best = result.best is not None and m is result.best
+            why = f"{m.samples_per_s:.3g} samples/s, cost rank {rank[c]} of {len(fitting)}"
+            if m.measured_peak is not None:
+                why += f", measured peak {_fmt(m.measured_peak)}"
+            if best:
+                why += ": the fastest timed"
+            outcome = "winner" if best else "timed"
+            out.append(SearchOutcome(c, outcome, why, m.samples_per_s, m.measured_peak))
+    return out
+
+
+def _kind(c: Candidate) -> tuple:
+    """What ``shortlist`` keeps varied: precision, optimizer, attention, checkpointing."""
+    return (c.precision, c.optimizer, c.attn, c.gradient_checkpointing)

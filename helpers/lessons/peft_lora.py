@@ -78,6 +78,7 @@ def trainable_counts(model: torch.nn.Module) -> tuple[int, int, int]:
 def proportion_figure(x, measured: dict, slopes: dict, xlabel: str, ylabel: str, title: str = ""):
     """Log-log: measured points as markers, y = slope·x as grey reference lines."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullLocator
 
     fig = Figure(figsize=(6, 4), layout="constrained")
     ax = fig.add_subplot()
@@ -88,6 +89,8 @@ def proportion_figure(x, measured: dict, slopes: dict, xlabel: str, ylabel: str,
         ax.plot([lo, hi], [slope * lo, slope * hi], style, color="grey", label=name)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xticks(list(x), [f"{v:,}" for v in x])  # ticks at the measured points, plain
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -18,10 +18,11 @@ from dataclasses import dataclass, replace
 
 import torch
 from matplotlib.figure import Figure
-from matplotlib.ticker import ScalarFormatter
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 from helpers.hardware import precision_problem
 from helpers.names import MiB
+from helpers.plots import legend_outside
 from helpers.results import Record
 from helpers.train import RunConfig
 
@@ -147,9 +148,37 @@ def latest_records(records: list[Record], lesson: str = "14") -> dict[str, Recor
     return out
 
 
+def search_table(outcomes, examples: int = 2):
+    """The planner's search grouped by what happened to each candidate (a DataFrame).
+
+    ``outcomes``: ``helpers.estimator.plan.search_outcomes(plan, candidates)``. One group per
+    outcome (``helpers.estimator.plan.OUTCOMES``), in the order the search reaches them, its
+    size in the index; ``examples`` rows of each of the large groups (the cheapest predicted
+    first), every row of the measured ones.
+    """
+    import pandas as pd
+
+    from helpers.estimator.plan import OUTCOMES
+
+    rows = []
+    for outcome in OUTCOMES:
+        group = [o for o in outcomes if o.outcome == outcome]
+        shown = group if outcome in ("failed", "timed", "winner") else group[:examples]
+        for o in shown:
+            rows.append(
+                {
+                    "outcome (candidates)": f"{outcome} ({len(group)} of {len(outcomes)})",
+                    "example": o.candidate.label,
+                    "estimated peak MiB": o.candidate.estimated_peak / MiB,
+                    "why": o.why,
+                }
+            )
+    return pd.DataFrame(rows).set_index(["outcome (candidates)", "example"]).round(2)
+
+
 def tradeoff_figure(table, title: str = "") -> Figure:
     """Memory ratio against speed ratio, ours and the guide's V100, one point per recipe."""
-    fig = Figure(figsize=(7.5, 5), layout="constrained")
+    fig = Figure(figsize=(8.5, 5), layout="constrained")
     ax = fig.add_subplot()
     ours = table.dropna(subset=["speed ratio", "memory ratio"])
     ax.scatter(ours["memory ratio"], ours["speed ratio"], color="#4C72B0", label="this machine")
@@ -183,10 +212,12 @@ def tradeoff_figure(table, title: str = "") -> Figure:
     ax.axvline(1, color="grey", lw=0.5)
     ax.set_xlabel("memory / vanilla's (left is leaner)")
     ax.set_yscale("log")  # ratios: 2x faster and 2x slower lie equally far from 1
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 0.1 0.2 0.5 1 2: readable
     ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_ylabel("samples/s / vanilla's (up is faster, log scale)")
     ax.set_title(title)
-    ax.legend(fontsize="small")
+    legend_outside(ax)  # outside the axes: it cannot cover a point or a name
     return fig
 
 
