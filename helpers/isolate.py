@@ -18,6 +18,7 @@ from typing import Any
 # Imported once by the forkserver, so every child starts with them (about 0.6 s saved per
 # child for the two modeling modules). None of them touches CUDA when imported.
 _PRELOAD = [
+    "helpers._fork_server",  # first: the libraries below import quietly (helpers.quiet)
     "torch",
     "transformers",
     "transformers.models.bert.modeling_bert",
@@ -103,10 +104,13 @@ def capture(fn: Callable, args=(), kwargs=None, catch: type = Exception) -> Outc
 
 def _child(conn, fn, args, kwargs) -> None:
     from helpers.progress import quiet_here
+    from helpers.quiet import quiet_libraries
 
     quiet_here()  # a bar in this process would reach the kernel's log, not the notebook
     try:  # in the child even KeyboardInterrupt or SystemExit comes back as an Outcome
-        conn.send(capture(fn, args, kwargs, catch=BaseException))
+        with quiet_libraries():  # import-time notices of bitsandbytes and DeepSpeed
+            outcome = capture(fn, args, kwargs, catch=BaseException)
+        conn.send(outcome)
     finally:
         conn.close()
 
@@ -202,11 +206,13 @@ def _bench_worker(conn, spec: Bench, device: str, warmup: int) -> None:
     import torch
 
     from helpers.progress import quiet_here
+    from helpers.quiet import quiet_libraries
     from helpers.timing import time_fn
 
     quiet_here()
     try:
-        call = spec.build()
+        with quiet_libraries():
+            call = spec.build()
         time_fn(call, torch.device(device), warmup=warmup, repeats=1)
         conn.send(("ready", None))
         while (n := conn.recv()) is not None:

@@ -215,7 +215,7 @@ def test_pin_report_without_accelerator():
 
 
 def test_trainer_runs_time_each_worker_count():
-    # In a fresh process, as in the notebook: it sets the thread count and DS_ACCELERATOR.
+    # In a fresh process, as in the notebook: it sets the thread count.
     from helpers.isolate import call_isolated
     from helpers.lessons.data_loading import trainer_runs
 

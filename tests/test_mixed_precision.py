@@ -20,7 +20,6 @@ from helpers.lessons.mixed_precision import (
     measure_series,
     moving_average,
     peak_phase,
-    quiet_libraries,
     range_figure,
     scaler_trace,
     skipped_steps,
@@ -188,22 +187,3 @@ def test_figures_are_figures():
     assert isinstance(crossover_figure([8, 16], [mem, mem], [half, half]), Figure)
     run = TrainResult("fp32", losses=[3.0, 2.0], step_times=[0.1, 0.1], best_loss=1, uniform_loss=4)
     assert isinstance(loss_figure({"fp32": run, "bf16": TrainResult("bf16", [3.0, 2.1])}), Figure)
-
-
-def test_quiet_libraries_drops_two_notices_only_and_restores():
-    import logging
-
-    bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    deepspeed = logging.getLogger("DeepSpeed")
-    before = bnb.level
-
-    def record(msg: str) -> logging.LogRecord:
-        return logging.LogRecord("DeepSpeed", logging.WARNING, "x.py", 1, msg, None, None)
-
-    with quiet_libraries():
-        assert not bnb.isEnabledFor(logging.WARNING)  # the Hub-kernel warning's level
-        assert bnb.isEnabledFor(logging.ERROR)  # real errors still show
-        assert not deepspeed.filter(record("Setting accelerator to CPU. If you have GPU ..."))
-        assert deepspeed.filter(record("something else"))
-    assert bnb.level == before
-    assert deepspeed.filter(record("Setting accelerator to CPU."))  # filter removed

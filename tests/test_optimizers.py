@@ -154,14 +154,3 @@ def test_import_bitsandbytes_returns_the_module_or_none():
     assert (bnb is None) == (not HAS_BNB)
     if HAS_BNB:
         assert hasattr(bnb.optim, "AdamW8bit")
-
-
-def test_measure_quietly_measures_like_isolate_run():
-    from helpers.lessons.optimizers import measure_quietly
-    from helpers.train import RunConfig
-
-    cfg = RunConfig(model="bert-tiny", batch_size=2, seq_len=8, repeats=1, flops=False)
-    rec = measure_quietly(cfg)
-    assert rec.ok and rec.memory["optimizer_state"] > 0
-    bad = measure_quietly(RunConfig(model="bert-tiny", optimizer="no-such", device="cpu"))
-    assert not bad.ok and "no-such" in bad.error  # errors come back in the Record

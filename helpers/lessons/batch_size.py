@@ -13,7 +13,6 @@ The functions here turn both into an exception accelerate recognises, and nothin
 from __future__ import annotations
 
 import contextlib
-import logging
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,43 +23,14 @@ from matplotlib.figure import Figure
 from helpers.memory import CategoryTracker, memory_budget
 from helpers.names import MiB, human_bytes
 from helpers.plots import legend_outside, plain_ticks
+from helpers.quiet import quiet_libraries
 from helpers.timing import time_fn
 
 # The phrase accelerate.utils.should_reduce_batch_size looks for in a CUDA/XPU OOM message.
 OOM_PHRASE = " out of memory."
 
 
-@contextlib.contextmanager
-def quiet_import_probes():
-    """Drop the warnings deepspeed and bitsandbytes log, below ERROR, while the block runs.
-
-    Both probe the hardware when imported, and transformers imports them for us: creating a
-    ``Trainer`` asks accelerate to unwrap the model, which imports deepspeed wherever it is
-    installed (``accelerate.utils.other.extract_model_from_parallel``), and on a machine
-    without a GPU deepspeed logs "Setting accelerator to CPU. If you have GPU or other
-    accelerator, we were unable to detect it."; importing ``transformers.trainer_utils``
-    imports peft, which imports bitsandbytes, which on some CPUs logs that it failed to load
-    an optional 4-bit kernel. Lessons 02-04 use neither (lesson 08 uses DeepSpeed, 06 and 13
-    bitsandbytes), so the lines only distract. deepspeed sets its logger's level when
-    imported, so it gets a filter.
-    """
-    ds_logger = logging.getLogger("DeepSpeed")
-    bnb_logger = logging.getLogger("bitsandbytes")
-    bnb_level = bnb_logger.level
-
-    def errors_only(record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR
-
-    ds_logger.addFilter(errors_only)
-    bnb_logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        ds_logger.removeFilter(errors_only)
-        bnb_logger.setLevel(bnb_level)
-
-
-with quiet_import_probes():  # transformers.trainer_utils imports peft, which imports bitsandbytes
+with quiet_libraries():  # transformers.trainer_utils imports peft, which imports bitsandbytes
     from transformers import TrainerCallback
 
 
@@ -241,7 +211,7 @@ def trainer_auto_batch(
             auto_find_batch_size=True,  # the switch: retry with a smaller batch after an OOM
             max_steps=max_steps, learning_rate=1e-3, seed=seed,
         )  # fmt: skip
-        with quiet_import_probes():  # the Trainer imports deepspeed, which logs on a CPU
+        with quiet_libraries():  # the Trainer imports deepspeed, which logs on a CPU
             trainer = quiet_trainer(
                 Trainer(model=net, args=args, train_dataset=data, callbacks=[tried])
             )

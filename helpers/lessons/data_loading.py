@@ -727,8 +727,6 @@ def trainer_runs(
     # Trainer's own throughput (start-up included) and the DataLoader settings it used.
     check_workers_allowed(max(workers, default=0))
     dev = _device(device)
-    if dev.type in ("cpu", "cuda"):  # DeepSpeed, imported with the Trainer, would guess and say so
-        os.environ.setdefault("DS_ACCELERATOR", dev.type)
     from transformers import Trainer, TrainerCallback
 
     torch.set_num_threads(threads)

@@ -8,8 +8,6 @@ is not a torch dtype) gets the same row as fp32, fp16 and bf16.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -75,36 +73,6 @@ class FloatFormat:
             "smallest subnormal": self.smallest_subnormal,
             "eps": self.eps,
         }
-
-
-def _cpu_accelerator_notice(record: logging.LogRecord) -> bool:
-    """False for DeepSpeed's "Setting accelerator to CPU" notice (a logging filter)."""
-    return not record.getMessage().startswith("Setting accelerator to CPU")
-
-
-@contextlib.contextmanager
-def quiet_libraries():
-    """Inside: two library notices that teach nothing in these lessons are not shown.
-
-    - bitsandbytes' CPU backend, on a CPU with avx512_bf16, tries at import to fetch a 4-bit
-      matmul kernel from the Hugging Face Hub ("kernels-community") and warns when the
-      ``kernels`` package is missing or offline. Importing transformers' Trainer imports
-      peft, which imports bitsandbytes. 4-bit matmuls are QLoRA's (lesson 11), not ours.
-    - DeepSpeed, when the Trainer asks it for an accelerator on a machine without a GPU,
-      says it falls back to the CPU. The lesson prints the device itself.
-
-    Other warnings and errors of both libraries still show.
-    """
-    bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    deepspeed = logging.getLogger("DeepSpeed")  # deepspeed.utils.logging's logger
-    level = bnb.level
-    bnb.setLevel(logging.ERROR)
-    deepspeed.addFilter(_cpu_accelerator_notice)  # survives DeepSpeed setting up its logger
-    try:
-        yield
-    finally:
-        bnb.setLevel(level)
-        deepspeed.removeFilter(_cpu_accelerator_notice)
 
 
 def float_format(name: str) -> FloatFormat:

@@ -16,18 +16,24 @@ import torch
 
 from helpers.data import MarkovTask, markov_dataset
 from helpers.device import resolve
-from helpers.lessons.mixed_precision import quiet_libraries
 from helpers.models import build_model, load_config, task_kind
 from helpers.optimizer_state import StateTensor, read_state
 from helpers.progress import progress
+from helpers.quiet import quiet_libraries
 from helpers.timing import Comparison, compare_calls
-from helpers.train import RunConfig, TrainResult, quiet_trainer, train_markov, trainer_arguments
+from helpers.train import (
+    RunConfig,
+    TrainResult,
+    quiet_trainer,
+    train_markov,
+    trainer_arguments,
+)
 
 
 def import_bitsandbytes():
     """The bitsandbytes module, imported without its Hub-kernel warning; None if not installed.
 
-    (``helpers.lessons.mixed_precision.quiet_libraries`` says what the warning is about.)
+    (``helpers.quiet`` says what the warning is about.)
     """
     if importlib.util.find_spec("bitsandbytes") is None:
         return None
@@ -35,18 +41,6 @@ def import_bitsandbytes():
         import bitsandbytes
 
     return bitsandbytes
-
-
-def measure_quietly(cfg: RunConfig):
-    """``helpers.isolate.run(cfg, isolate=False)`` without two library notices (quiet_libraries).
-
-    Meant for ``helpers.isolate.call_isolated``: the fresh process imports bitsandbytes for an
-    8-bit optimizer, and its import warning would reach the notebook.
-    """
-    from helpers.isolate import run
-
-    with quiet_libraries():
-        return run(cfg, isolate=False)
 
 
 @dataclass

@@ -1,0 +1,81 @@
+"""helpers.quiet: two import-time notices go, everything else stays."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers.quiet import quiet_libraries
+
+
+def test_quiet_libraries_drops_two_notices_only_and_restores():
+    import logging
+
+    bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    deepspeed = logging.getLogger("DeepSpeed")
+    before = bnb.level
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("DeepSpeed", logging.WARNING, "x.py", 1, msg, None, None)
+
+    with quiet_libraries():
+        assert not bnb.isEnabledFor(logging.WARNING)  # the Hub-kernel warning's level
+        assert bnb.isEnabledFor(logging.ERROR)  # real errors still show
+        assert not deepspeed.filter(record("Setting accelerator to CPU. If you have GPU ..."))
+        assert deepspeed.filter(record("something else"))
+    assert bnb.level == before
+    assert deepspeed.filter(record("Setting accelerator to CPU."))  # filter removed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="deepspeed finds the GPU and stays quiet")
+def test_deepspeed_accelerator_warning_is_silenced():
+    # The import that a Trainer's creation triggers, in a fresh interpreter (deepspeed warns
+    # once per process), with and without the filter: the control shows the check can fail.
+    pytest.importorskip("deepspeed")
+    code = "from helpers.quiet import quiet_libraries\nwith {}:\n    import deepspeed\n"
+    warning = "Setting accelerator to CPU"
+    quiet = subprocess.run([sys.executable, "-c", code.format("quiet_libraries()")],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    loud = subprocess.run([sys.executable, "-c", code.format("open('/dev/null')")],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    assert warning in loud.stdout + loud.stderr
+    assert warning not in quiet.stdout + quiet.stderr
+
+
+def _deepspeed_notice_shows() -> bool:
+    import logging
+
+    notice = "Setting accelerator to CPU"
+    record = logging.LogRecord("DeepSpeed", logging.WARNING, "x.py", 1, notice, None, None)
+    return bool(logging.getLogger("DeepSpeed").filter(record))
+
+
+def test_isolated_experiments_run_inside_it():
+    from helpers.isolate import call_isolated
+
+    assert _deepspeed_notice_shows()  # here, outside: the notice would show
+    assert call_isolated(_deepspeed_notice_shows).value is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="bitsandbytes' CPU backend is not loaded")
+def test_the_fork_server_imports_quietly():
+    # The fork server imports helpers._fork_server first, then the libraries (peft pulls in
+    # bitsandbytes). In a fresh interpreter, as the server: with and without it first.
+    pytest.importorskip("bitsandbytes")
+    from helpers.isolate import preload_list
+
+    assert preload_list("peft")[0] == "helpers._fork_server"
+    runs = {
+        first: subprocess.run(
+            [sys.executable, "-c", f"{first}import bitsandbytes"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        for first in ("", "import helpers._fork_server; ")
+    }
+    loud, quiet = (r.stdout + r.stderr for r in runs.values())
+    if "kernels-community" not in loud:
+        pytest.skip("this CPU's bitsandbytes backend does not look for the Hub kernel")
+    assert "kernels-community" not in quiet
