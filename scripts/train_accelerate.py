@@ -4,8 +4,8 @@
     accelerate launch --num_processes 2 scripts/train_accelerate.py --max-steps 3
     accelerate launch --cpu --num_processes 2 scripts/train_accelerate.py --cpu   # no GPU
 
-The loop itself is ``helpers.lessons.accelerate_loop.train_loop``; each process prints one
-JSON line.
+The loop itself is ``helpers.lessons.accelerate_loop.accelerate_train``, run by the measuring
+wrapper ``train_loop``; each process prints one JSON line.
 """
 
 import sys

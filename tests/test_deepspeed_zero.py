@@ -219,3 +219,22 @@ def test_a_zero_run_on_a_gpu_reads_the_allocator_after_a_reset(monkeypatch):
     assert record.memory == {"peak": 60 * MiB}  # the step's peak, not the warm-up's
     assert record.allocator["allocated"] == 60 * MiB and "A100" in record.device["name"]
     assert record.extra["resident_params"] == 20 * 4 and record.config["zero"] == {"stage": 2}
+
+
+@pytest.mark.parametrize("scale", [MiB, 1024 * MiB])  # tiny (MiB) and full-scale-like (GiB)
+def test_placement_figure_is_readable(scale):
+    from tests.plot_checks import figure_problems
+
+    def run(params, grads, state, acts, temps):
+        mem = dict(params=params, gradients=grads, optimizer_state=state, activations=acts,
+                   temporaries=temps)  # fmt: skip
+        return {k: int(v * scale) for k, v in {**mem, "peak": 0.9 * sum(mem.values())}.items()}
+
+    device = {
+        "oversized plain, no budget": run(40, 40, 80, 30, 10),
+        "ZeRO-2 + offload optimizer": run(40, 2, 0, 30, 5),
+        "ZeRO-3 + offload all, budget": run(4, 2, 0, 30, 5),
+    }
+    host = {"ZeRO-2 + offload optimizer": int(210 * scale),
+            "ZeRO-3 + offload all, budget": int(240 * scale)}  # fmt: skip
+    assert figure_problems(zero.placement_figure(device, host, int(100 * scale))) == []

@@ -8,9 +8,15 @@ Micro-batches with gradient accumulation, gradient checkpointing, 16-bit autocas
 ``accelerate launch`` on several processes or GPUs: Accelerate decides the device, wraps the
 model for data parallelism and shards the data loader.
 
+``accelerate_train`` is the loop itself, a generator that yields each optimizer step's loss;
+the notebook writes out the same function (``tests/test_accelerate_loop.py`` keeps the two
+identical). ``train_loop`` is the lesson's measuring wrapper: it builds the parts
+(``loop_parts``) and times the steps and tracks one step's memory between the ``yield``s.
+
 ``trainer_run`` trains the same configuration with the ``Trainer`` so the two can be
 compared: same model, data, micro-batch, accumulation, precision, optimizer and clipping.
-Both measure their steps with one ``StepMeter``.
+Both measure their steps with one ``StepMeter``. ``accumulation_demo`` is the lesson's
+"Try it": what ``accumulate()`` does with k micro-batches.
 """
 
 from __future__ import annotations
@@ -20,12 +26,15 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import TrainerCallback
 
 from helpers.data import MarkovTask, markov_dataset
 from helpers.memory import CategoryTracker
 from helpers.models import build_model, enable_checkpointing, load_config, task_kind
+from helpers.quiet import quiet_libraries
 from helpers.train import make_optimizer, quiet_trainer, trainer_arguments
+
+with quiet_libraries():  # the Trainer's modules import peft, which imports bitsandbytes
+    from transformers import TrainerCallback
 
 # The Trainer's ``optim=`` name for each of helpers.train.make_optimizer's names.
 TRAINER_OPTIM = {"adamw8bit": "adamw_bnb_8bit", "adamw": "adamw_torch", "sgd": "sgd",
@@ -125,58 +134,130 @@ def _dataset(cfg: LoopConfig, kind: str, n: int):
     return markov_dataset(MarkovTask(seed=cfg.seed), kind, n=n, seq_len=cfg.seq_len, seed=cfg.seed)
 
 
-def train_loop(cfg: LoopConfig) -> LoopResult:
-    """Train ``cfg`` with a hand-written Accelerate loop; track one optimizer step's memory."""
+def accelerate_train(cfg: LoopConfig, model, optimizer, loader, scheduler):
+    """The course's combination as an Accelerate loop; yields each optimizer step's loss."""
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
-    from torch.utils.data import DataLoader
 
     accelerator = Accelerator(
-        mixed_precision=cfg.mixed_precision,
+        mixed_precision=cfg.mixed_precision,  # autocast (+ a GradScaler for fp16 on a GPU)
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         cpu=cfg.cpu,
     )
-    set_seed(cfg.seed)
-    config = load_config(cfg.model)
-    model = build_model(config, seed=cfg.seed)
-    if cfg.gradient_checkpointing:
-        enable_checkpointing(model)
-    optimizer = make_optimizer(cfg.optimizer, model, lr=cfg.learning_rate)
-    micro_batches = cfg.max_steps * cfg.gradient_accumulation_steps * accelerator.num_processes
-    data = _dataset(cfg, task_kind(config), micro_batches * cfg.per_device_train_batch_size)
-    loader = DataLoader(data, batch_size=cfg.per_device_train_batch_size)
-    # prepare() moves everything to the device, wraps the model for DDP when several
-    # processes run, shards the loader across them and wraps the optimizer so that its
-    # step() only acts at the end of an accumulation window.
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    # Move to the device, wrap the model for DDP on several processes, shard the loader, and
+    # wrap optimizer and scheduler so that they act only at the end of an accumulation window.
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     model.train()
-
-    result = _result_for(
-        model, device=str(accelerator.device), num_processes=accelerator.num_processes,
-        process_index=accelerator.process_index, mixed_precision=accelerator.mixed_precision,
-    )  # fmt: skip
-    meter = StepMeter(cfg.track_step, result)  # the lesson's measurement, not the loop's
     batches = iter(loader)
-    for step in range(cfg.max_steps):
-        meter.begin(step, accelerator.unwrap_model(model), optimizer, accelerator.device)
-        total = 0.0
-        for _ in range(cfg.gradient_accumulation_steps):
+    for _step in range(cfg.max_steps):
+        step_loss = 0.0
+        for _micro_batch in range(cfg.gradient_accumulation_steps):
             batch = next(batches)
-            # accumulate(): no gradient sync between processes and no optimizer step until
-            # the last micro-batch of the window; backward() scales the loss by 1/steps and
-            # applies the fp16 loss scaler when there is one.
+            # accumulate(): backward() divides the loss by gradient_accumulation_steps, and
+            # step() and zero_grad() do nothing until the window's last micro-batch (nor does
+            # the gradient all-reduce between processes).
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.max_grad_norm:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()
+                scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            total += loss.detach().float().item() / cfg.gradient_accumulation_steps
-        meter.end()
-        result.losses.append(total)
+            step_loss += loss.item() / cfg.gradient_accumulation_steps
+        yield step_loss  # the caller decides what happens between steps (log, measure)
     accelerator.end_training()
+
+
+def loop_parts(cfg: LoopConfig, num_processes: int = 1):
+    """What lessons 03 to 06 chose, built for ``cfg``: the model (checkpointing on if asked),
+    the optimizer, a loader with enough micro-batches for every process, a constant schedule."""
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+    from transformers import get_constant_schedule
+
+    set_seed(cfg.seed)
+    config = load_config(cfg.model)
+    model = build_model(config, seed=cfg.seed)
+    if cfg.gradient_checkpointing:
+        enable_checkpointing(model)
+    with quiet_libraries():  # an 8-bit optimizer imports bitsandbytes (helpers.quiet)
+        optimizer = make_optimizer(cfg.optimizer, model, lr=cfg.learning_rate)
+    micro_batches = cfg.max_steps * cfg.gradient_accumulation_steps * num_processes
+    data = _dataset(cfg, task_kind(config), micro_batches * cfg.per_device_train_batch_size)
+    loader = DataLoader(data, batch_size=cfg.per_device_train_batch_size)
+    scheduler = get_constant_schedule(optimizer)  # the Trainer's lr_scheduler_type="constant"
+    return model, optimizer, loader, scheduler
+
+
+def train_loop(cfg: LoopConfig, loop=None) -> LoopResult:
+    """Train ``cfg`` with ``loop`` (``accelerate_train`` unless given): time every optimizer step
+    but one, whose exact memory is tracked instead. None of this is inside the loop: it runs
+    between the loop's ``yield``s (so the first step's time includes ``prepare()``)."""
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+
+    loop = loop or accelerate_train
+    state = PartialState(cpu=cfg.cpu)  # the processes and device that the loop's Accelerator gets
+    model, optimizer, loader, scheduler = loop_parts(cfg, state.num_processes)
+    result = _result_for(
+        model, device=str(state.device), num_processes=state.num_processes,
+        process_index=state.process_index,
+    )  # fmt: skip
+    meter = StepMeter(cfg.track_step, result)  # the lesson's measurement, not the loop's
+    steps = loop(cfg, model, optimizer, loader, scheduler)
+    for step in range(cfg.max_steps):
+        # prepare() moves the model in place and wraps (does not copy) the optimizer, so the
+        # meter tracks the very tensors that the loop trains.
+        meter.begin(step, model, optimizer, state.device)
+        loss = next(steps)
+        meter.end()
+        result.losses.append(loss)
+        result.mixed_precision = AcceleratorState().mixed_precision
+    for _ in steps:  # runs the loop's end (accelerator.end_training())
+        raise RuntimeError(f"the loop trained more than max_steps={cfg.max_steps} steps")
     return result
+
+
+def accumulation_demo(gradient_accumulation_steps: int, micro_batches: int = 12, seed: int = 0):
+    """What ``accumulate()`` does with ``micro_batches`` micro-batches of 4 samples: the optimizer
+    steps it lets through, and each window's accumulated gradient relative to the gradient of
+    the window's samples taken as one batch (1.0: the 1/k on each loss makes them equal).
+
+    A linear model in fp32 on the CPU, seconds; call it in a fresh process (Accelerate's state
+    is per process). Returns a dict: ``optimizer_steps``, ``ratio`` (the windows' gradient
+    norms relative to one batch's, furthest from 1), ``max_diff`` (largest element difference
+    relative to the largest element).
+    """
+    from accelerate import Accelerator
+
+    k = gradient_accumulation_steps
+    if micro_batches % k:
+        raise ValueError(f"gradient_accumulation_steps must divide {micro_batches}")
+    torch.manual_seed(seed)
+    accelerator = Accelerator(gradient_accumulation_steps=k, cpu=True)
+    model = torch.nn.Linear(8, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(micro_batches, 4, 8), torch.randn(micro_batches, 4, 1)
+    steps, ratio, max_diff = 0, 1.0, 0.0
+    for i in range(micro_batches):
+        with accelerator.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(x[i]), y[i])
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:  # the window's last micro-batch: compare
+                window = slice(i + 1 - k, i + 1)
+                whole = torch.nn.functional.mse_loss(
+                    model(x[window].flatten(0, 1)), y[window].flatten(0, 1)
+                )
+                (ref,) = torch.autograd.grad(whole, model.weight)
+                got = model.weight.grad
+                r = float(got.norm() / ref.norm())
+                ratio = r if abs(r - 1) > abs(ratio - 1) else ratio
+                max_diff = max(max_diff, float((got - ref).abs().max() / ref.abs().max()))
+            before = model.weight.detach().clone()
+            optimizer.step()
+            steps += not torch.equal(before, model.weight)  # did the step change the weights?
+            optimizer.zero_grad()
+    return {"optimizer_steps": steps, "ratio": ratio, "max_diff": max_diff}
 
 
 def _trainer_arguments(cfg: LoopConfig, output_dir: str):
@@ -217,7 +298,7 @@ def trainer_run(cfg: LoopConfig) -> LoopResult:
         # transformers 5.23: BERT's classification head declares **kwargs, so the Trainer
         # assumes it normalises by num_items_in_batch and skips dividing the loss by the
         # accumulation steps, but the head ignores the count: gradients come out k times too
-        # large (huggingface/transformers#47688; lesson 03 measures it). Opt out explicitly.
+        # large (lesson 03 measures it). Opt out explicitly.
         model.accepts_loss_kwargs = False
     data = _dataset(cfg, task_kind(config), cfg.max_steps * cfg.gradient_accumulation_steps)
     result = _result_for(model)

@@ -290,14 +290,17 @@ class _ZeroSetup:
     n_params: int  # the model's parameters, counted before ZeRO-3 partitioned them
 
 
-def _engine(run: ZeroConfig, device: torch.device) -> _ZeroSetup:
-    """DeepSpeed's engine and ZeRO optimizer for ``run``, with its batch on the device."""
+def build_engine(run: ZeroConfig, device: torch.device) -> _ZeroSetup:
+    """DeepSpeed's engine and ZeRO optimizer for ``run``, with its batch on the device.
+
+    Call it in a fresh process: DeepSpeed starts a process group and keeps global state.
+    """
     from helpers.data import random_batch
     from helpers.models import task_kind
     from helpers.train import make_optimizer
 
-    deepspeed = _start_deepspeed(device)
-    config, model, n_params, ds_config = _cpu_model(run)
+    deepspeed = _start_deepspeed(device)  # one_process_env(), DS_ACCELERATOR, import deepspeed
+    config, model, n_params, ds_config = _cpu_model(run)  # the model on the CPU, zero_config()
     optimizer = make_optimizer("adamw", model)  # the same torch AdamW as the plain runs
     engine, ds_optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config
@@ -309,22 +312,27 @@ def _engine(run: ZeroConfig, device: torch.device) -> _ZeroSetup:
     return _ZeroSetup(engine, ds_optimizer, batch, ds_config, n_params)
 
 
-def _engine_step(setup: _ZeroSetup, losses: list[float] | None = None):
-    """One training step through DeepSpeed's engine, as a callable; each loss goes to ``losses``.
+def engine_step(engine, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One training step through DeepSpeed's engine; returns the loss.
 
-    DeepSpeed's engine owns this step, so it keeps the engine's idiom rather than
-    ``helpers.train.train_step(engine, engine, [batch], backward=engine.backward)``:
-    ``engine.step()`` already clears the gradients (through its ZeRO optimizer's
-    ``zero_grad()``), and ``DeepSpeedEngine.zero_grad()`` takes no ``set_to_none`` argument,
-    so the base step's ``optimizer.zero_grad(set_to_none=True)`` would raise a TypeError.
+    The engine owns the step: ``engine.backward`` replaces ``loss.backward()`` and
+    ``engine.step`` the optimizer's step and ``zero_grad`` (its ZeRO optimizer clears the
+    gradients; ``DeepSpeedEngine.zero_grad()`` takes no ``set_to_none``, so the course's
+    ``helpers.train.train_step`` does not fit it).
     """
+    loss = engine(**batch).loss  # ZeRO-3: fetches each layer's weights before it runs
+    engine.backward(loss)  # the gradients stream into DeepSpeed's host buffers
+    engine.step()  # AdamW on the host's fp32 copies; the updated weights go back
+    return loss
+
+
+def _engine_step(setup: _ZeroSetup, losses: list[float] | None = None):
+    """``engine_step`` on the run's batch as a callable; each loss goes to ``losses``."""
     engine, batch = setup.engine, setup.batch
 
     def step() -> None:
         """Forward, backward and optimizer step, each through the engine."""
-        loss = engine(**batch).loss
-        engine.backward(loss)
-        engine.step()
+        loss = engine_step(engine, batch)
         if losses is not None:
             losses.append(float(loss.detach()))
 
@@ -336,7 +344,7 @@ def zero_step(run: ZeroConfig):
     of its own (``helpers.isolate.bench``), next to ``helpers.train.trainee_step``."""
     from helpers.device import resolve
 
-    return _engine_step(_engine(run, resolve(run.device)))
+    return _engine_step(build_engine(run, resolve(run.device)))
 
 
 def measure_zero(run: ZeroConfig):
@@ -367,7 +375,7 @@ def _measure(run: ZeroConfig, device: torch.device, t0: float):
     """``measure_zero``'s steps: warm up, one tracked step, the timed steps; their Record."""
     from helpers.timing import time_fn
 
-    setup = _engine(run, device)
+    setup = build_engine(run, device)
     losses: list[float] = []
     step = _engine_step(setup, losses)
     for _ in range(max(1, run.warmup)):  # creates the optimizer state and the buckets
@@ -502,7 +510,7 @@ def train_with_trainer(run: ZeroConfig, steps: int) -> TrainerResult:
     """
     import tempfile
 
-    from transformers import Trainer
+    from transformers import Trainer  # quietly: a fresh process runs inside helpers.quiet
 
     from helpers.data import MarkovTask, markov_dataset
     from helpers.device import resolve
@@ -735,31 +743,24 @@ def placement_figure(device: dict[str, dict[str, int]], host: dict[str, int], bu
     """Two panels: per-run device bytes stacked by category with the budget line; host bytes."""
     from matplotlib.figure import Figure
 
-    from helpers.plots import CATEGORY_COLORS
+    from helpers.plots import CATEGORY_COLORS, STEP_CATEGORIES, category_labels
 
-    fig = Figure(figsize=(9, 4), layout="constrained")
+    fig = Figure(figsize=(10, 4.5), layout="constrained")
     left, right = fig.subplots(1, 2, sharey=True)
     labels = list(device)
     bottoms = [0.0] * len(labels)
-    for cat in ("params", "gradients", "optimizer_state", "activations", "temporaries"):
+    for cat in STEP_CATEGORIES:
         values = [device[lab].get(cat, 0) / MiB for lab in labels]
         left.bar(labels, values, bottom=bottoms, label=cat, color=CATEGORY_COLORS.get(cat))
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     left.plot(labels, [device[lab].get("peak", 0) / MiB for lab in labels], "ko", label="peak")
-    left.axhline(budget / MiB, color="red", linestyle="--", linewidth=1)
-    left.annotate(
-        "budget",
-        (0, budget / MiB),
-        textcoords="offset points",
-        xytext=(0, 3),
-        color="red",
-        fontsize="small",
-    )
+    left.axhline(budget / MiB, color="red", linestyle="--", linewidth=1, label="budget")
     left.set_ylabel("MiB")
     left.set_title("on the compute device")
-    left.legend(fontsize="small")
     right.bar(list(host), [v / MiB for v in host.values()], color="#937860")
     right.set_title("in DeepSpeed's host buffers")
-    for ax in (left, right):
-        ax.tick_params(axis="x", labelrotation=20)
+    category_labels(left, labels)
+    category_labels(right, list(host))
+    # To the right of both panels: inside the left one it would cover bars.
+    fig.legend(*left.get_legend_handles_labels(), loc="outside right upper", fontsize="small")
     return fig

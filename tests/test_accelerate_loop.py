@@ -1,0 +1,71 @@
+"""Lesson 07: the loop the notebook shows is the loop the module runs, and measuring it
+changes nothing it computes."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers.isolate import call_isolated
+from helpers.lessons import accelerate_loop as lesson
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "07_accelerate_loop.ipynb"
+
+
+def _notebook_function(name: str) -> ast.FunctionDef:
+    """The function ``name`` as defined in a code cell of lesson 07's notebook."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    for cell in cells:
+        source = "".join(cell["source"])
+        if cell["cell_type"] != "code" or f"def {name}(" not in source:
+            continue  # (other cells may hold IPython magics, which are not Python)
+        tree = ast.parse(source)
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name == name:
+                return node
+    raise AssertionError(f"no code cell of {NOTEBOOK.name} defines {name}()")
+
+
+def test_the_notebook_writes_out_the_module_loop():
+    # The learner reads and runs the notebook's copy; the script and `accelerate launch` run
+    # the module's. They must be the same code (comments and formatting aside).
+    cell = _notebook_function("accelerate_train")
+    module = ast.parse(inspect.getsource(lesson.accelerate_train)).body[0]
+    assert ast.dump(cell) == ast.dump(module), "notebook 07's accelerate_train() drifted"
+
+
+def _plain_and_measured(cfg: lesson.LoopConfig):
+    """The loop run as is, then through the measuring wrapper, in one fresh process."""
+    model, optimizer, loader, scheduler = lesson.loop_parts(cfg)
+    plain = list(lesson.accelerate_train(cfg, model, optimizer, loader, scheduler))
+    return plain, lesson.train_loop(cfg)
+
+
+def test_the_measuring_wrapper_trains_exactly_as_the_plain_loop():
+    cfg = lesson.LoopConfig(seq_len=32, optimizer="adamw", max_steps=3, cpu=True)
+    plain, measured = call_isolated(_plain_and_measured, cfg).unwrap()
+    # Same code, seed and data, deterministic CPU kernels: identical losses, bit for bit.
+    assert measured.losses == plain and len(plain) == cfg.max_steps
+    # Every step but the tracked one is timed; the tracked one has its memory.
+    assert len(measured.step_times) == cfg.max_steps - 1
+    assert measured.memory["params"] == 4 * measured.n_params
+    assert measured.memory["optimizer_state"] >= 8 * measured.n_params  # AdamW's two moments
+    assert measured.mixed_precision == "bf16" and measured.device == "cpu"
+
+
+@pytest.mark.parametrize("k", [1, 4, 12])
+def test_accumulate_steps_once_per_window_with_the_big_batch_gradient(k):
+    demo = call_isolated(lesson.accumulation_demo, k).unwrap()
+    assert demo["optimizer_steps"] == 12 // k
+    # fp32 sums of at most 48 samples' gradients: rounding is ~1e-7 relative; 1e-5 is far
+    # from the factor k that a missing 1/k on the loss would give.
+    assert abs(demo["ratio"] - 1) < 1e-5 and demo["max_diff"] < 1e-5, demo
+
+
+def test_accumulation_demo_refuses_a_window_that_does_not_divide_the_micro_batches():
+    with pytest.raises(ValueError, match="must divide 12"):
+        lesson.accumulation_demo(5)
