@@ -324,3 +324,37 @@ def test_make_lab_turns_the_news_prompt_off():
     makefile = (ROOT / "Makefile").read_text()
     assert "--LabApp.app_settings_dir=$(CURDIR)/tools/lab-settings" in makefile
     assert "tools/lab-settings/overrides.json" in (ROOT / "binder" / "postBuild").read_text()
+
+
+def _plotting_functions() -> list[str]:
+    """Public helpers functions that build a matplotlib figure (names as module.function)."""
+    import ast
+
+    builders = {"Figure", "memory_bars", "lines", "bars", "timeline"}
+    found = []
+    for path in sorted((ROOT / "helpers").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            calls = {
+                getattr(n.func, "id", getattr(n.func, "attr", ""))
+                for n in ast.walk(node)
+                if isinstance(n, ast.Call)
+            }
+            returns = ast.unparse(node.returns) if node.returns else ""
+            if calls & builders or returns == "Figure" or node.name.endswith("_figure"):
+                found.append(f"{path.stem}.{node.name}")
+    return found
+
+
+def test_every_plotting_helper_is_drawn_and_checked_by_a_test():
+    """Each figure-building helper is called in a test file that runs figure_problems on it."""
+    checked = "\n".join(
+        p.read_text()
+        for p in (ROOT / "tests").glob("test_*.py")
+        if "figure_problems" in p.read_text()
+    )
+    functions = _plotting_functions()
+    assert len(functions) >= 10, functions  # plots.py's four and the lessons' own
+    missing = [f for f in functions if f"{f.split('.')[1]}(" not in checked]
+    assert not missing, f"plotting helpers no test checks with figure_problems: {missing}"
