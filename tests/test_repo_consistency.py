@@ -358,3 +358,16 @@ def test_every_plotting_helper_is_drawn_and_checked_by_a_test():
     assert len(functions) >= 10, functions  # plots.py's four and the lessons' own
     missing = [f for f in functions if f"{f.split('.')[1]}(" not in checked]
     assert not missing, f"plotting helpers no test checks with figure_problems: {missing}"
+
+
+def test_every_lesson_ends_with_try_it_then_summary():
+    """A "## Try it" section before "## Summary": a knob in a code cell and what to expect."""
+    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        heads = ["".join(c["source"]).lstrip().split("\n", 1)[0] for c in cells]
+        assert "## Try it" in heads and "## Summary" in heads, path.name
+        start, end = heads.index("## Try it"), heads.index("## Summary")
+        section = cells[start:end]
+        assert start < end and any(c["cell_type"] == "code" for c in section), path.name
+        text = "".join("".join(c["source"]) for c in section if c["cell_type"] == "markdown")
+        assert re.search(r"\bexpect|look for", text, re.IGNORECASE), f"{path.name}: no expectation"

@@ -27,7 +27,8 @@ import torch
 from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, is_cuda, present
 from helpers.estimator import Estimate, describe_model, estimate
 from helpers.memory import CategoryTracker
-from helpers.names import ATTENTION, AUTOCAST, PRECISIONS, GiB, KiB, MiB, TiB
+from helpers.names import ATTENTION, AUTOCAST, PRECISIONS, GiB, KiB, MiB, TiB, human_bytes
+from helpers.progress import progress
 
 DEFAULT_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")  # SGD is not a drop-in for transformers
 GC_COST = 4 / 3  # checkpointing repeats the forward: (1 + 1 + 2) / (1 + 2) of a step's FLOPs
@@ -358,7 +359,7 @@ def plan(
     fitting = [c for c in cands if c.fits]
     measured = [
         measure_candidate(c, model, seq_len, budget, device, isolate)
-        for c in shortlist(cands, top_k)
+        for c in progress(shortlist(cands, top_k), "candidates (peak, then rounds)")
     ]
     timing = time_candidates(measured, model, seq_len, device, rounds)
     measured.sort(key=lambda m: (not m.ok, -(m.samples_per_s or 0.0)))
@@ -388,17 +389,11 @@ def _weights_within(info, budget: int) -> int:
     weights = 4 * info.n_params + info.buffer_bytes
     if budget < weights:
         raise ValueError(
-            f"a budget of {_fmt(budget)} is below the weights alone ({_fmt(weights)} for "
+            f"a budget of {human_bytes(budget)} is below the weights alone "
+            f"({human_bytes(weights)} for "
             f"{info.n_params:,} fp32 parameters): no configuration can fit"
         )
     return weights
-
-
-def _fmt(nbytes: float) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if nbytes >= size:
-            return f"{nbytes / size:.3g} {unit}"
-    return f"{int(nbytes)} B"
 
 
 def _variant(cands: list[Candidate], c: Candidate, **changes) -> Candidate | None:
@@ -421,8 +416,8 @@ def explain(best, runner, cands, budget, measured, timing=None) -> str:
         smallest = min(cands, key=lambda c: c.estimated_peak)
         if not any(c.fits for c in cands):
             return (
-                f"No configuration is estimated to fit {_fmt(budget)}: the smallest peak is "
-                f"{_fmt(smallest.estimated_peak)} ({smallest.label}). Raise the budget, "
+                f"No configuration is estimated to fit {human_bytes(budget)}: the smallest peak is "
+                f"{human_bytes(smallest.estimated_peak)} ({smallest.label}). Raise the budget, "
                 "shorten the sequence, or use a smaller model."
             )
         errors = "; ".join(f"{m.candidate.label}: {m.error}" for m in measured)
@@ -432,11 +427,11 @@ def explain(best, runner, cands, budget, measured, timing=None) -> str:
     text = (
         f"{c.label} is the fastest of the {len(measured)} configurations timed here "
         f"({best.samples_per_s:.3g} samples/s), out of {len(fit)} of {len(cands)} estimated "
-        f"to fit {_fmt(budget)}. Its estimated peak is {_fmt(c.estimated_peak)} "
+        f"to fit {human_bytes(budget)}. Its estimated peak is {human_bytes(c.estimated_peak)} "
         f"({100 * c.estimated_peak / budget:.0f}% of the budget"
     )
     if best.measured_peak:
-        text += f", measured {_fmt(best.measured_peak)}"
+        text += f", measured {human_bytes(best.measured_peak)}"
     text += "). "
     # Each memory-saving choice of the winner, against the same configuration without it.
     plain = [  # (what the winner chose, its plain alternative, the change to it)
@@ -450,7 +445,7 @@ def explain(best, runner, cands, budget, measured, timing=None) -> str:
     for chosen, name, change in plain:
         other = _variant(cands, c, **change) if chosen else None
         if other is not None:
-            note = f"{name} ({_fmt(other.estimated_peak)})"
+            note = f"{name} ({human_bytes(other.estimated_peak)})"
             (optional if other.fits else needed).append(note)
     if needed:
         text += "It needs its memory savings: with " + ", or ".join(needed) + " it would not fit. "
@@ -513,7 +508,8 @@ def search_outcomes(result: Plan, cands: list[Candidate]) -> list[SearchOutcome]
     for c in cands:
         m = measured.get(c)
         if not c.fits:
-            why = f"estimated peak {_fmt(c.estimated_peak)} > usable budget {_fmt(limit)}"
+            peak, usable = human_bytes(c.estimated_peak), human_bytes(limit)
+            why = f"estimated peak {peak} > usable budget {usable}"
             out.append(SearchOutcome(c, "does not fit", why))
         elif m is None:
             twin = timed_kinds.get(_kind(c))
@@ -529,7 +525,7 @@ def search_outcomes(result: Plan, cands: list[Candidate]) -> list[SearchOutcome]
             best = result.best is not None and m is result.best
             why = f"{m.samples_per_s:.3g} samples/s, cost rank {rank[c]} of {len(fitting)}"
             if m.measured_peak is not None:
-                why += f", measured peak {_fmt(m.measured_peak)}"
+                why += f", measured peak {human_bytes(m.measured_peak)}"
             if best:
                 why += ": the fastest timed"
             outcome = "winner" if best else "timed"
