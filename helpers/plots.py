@@ -67,6 +67,24 @@ def category_labels(ax, labels: Sequence[str], width: int = 14) -> None:
                   ha="right" if len(labels) > 3 else "center", fontsize="small")  # fmt: skip
 
 
+def separate_labels(fig: Figure, texts: Sequence, step: float = 9, passes: int = 12) -> None:
+    """Nudge point labels (annotations placed in offset points) down until none overlaps."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    for _ in range(passes):
+        canvas.draw()
+        boxes = [t.get_window_extent(canvas.get_renderer()) for t in texts]
+        moved = False
+        for j in range(len(texts)):
+            if any(boxes[i].overlaps(boxes[j]) for i in range(j)):
+                x, y = texts[j].xyann
+                texts[j].xyann = (x, y - step)
+                moved = True
+        if not moved:
+            return
+
+
 def memory_bars(
     memories: Mapping[str, Mapping[str, int]],
     categories: Sequence[str] = STEP_CATEGORIES,

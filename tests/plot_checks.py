@@ -1,9 +1,9 @@
 """What a reader of a figure would see as broken, found from the drawn figure (test helper).
 
 ``figure_problems(fig)`` draws ``fig`` with the Agg renderer and lists, in words: tick labels
-that overlap on an axis, a legend that covers a bar or a plotted point, and text that runs
-outside the figure. Every plotting helper's test calls it (tests/test_plots.py and the
-lessons' own tests).
+that overlap on an axis, labels written in the axes that overlap each other, a legend that
+covers a bar or a plotted point, and text that runs outside the figure. Every plotting
+helper's test calls it (tests/test_plots.py and the lessons' own tests).
 """
 
 from __future__ import annotations
@@ -41,6 +41,17 @@ def _overlapping_ticks(ax, renderer) -> list[str]:
                         f"{labels[j].get_text()!r} overlap"
                     )
     return problems
+
+
+def _overlapping_annotations(ax, renderer) -> list[str]:
+    texts = [t for t in ax.texts if t.get_visible() and t.get_text().strip()]
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    return [
+        f"{ax.get_title()!r}: labels {texts[i].get_text()!r} and {texts[j].get_text()!r} overlap"
+        for i in range(len(texts))
+        for j in range(i + 1, len(texts))
+        if boxes[i].overlaps(boxes[j])
+    ]
 
 
 def _legend_covers(ax, renderer) -> list[str]:
@@ -94,5 +105,6 @@ def figure_problems(fig) -> list[str]:
     for ax in fig.axes:
         problems += _overlapping_ticks(ax, renderer)
         problems += _legend_covers(ax, renderer)
+        problems += _overlapping_annotations(ax, renderer)
     problems += _text_outside(fig, renderer)
     return problems

@@ -123,7 +123,13 @@ TINY_RUNS = [(900, 20.0), (520, 15.0), (400, 13.5), (150, 21.0), (90, 11.0), (88
 FULL_RUNS = [(r.seed_samples_per_s * 3, r.seed_mb - 1000) for r in SEED_RECIPES]
 
 
-@pytest.mark.parametrize("runs", [TINY_RUNS, FULL_RUNS], ids=["tiny", "full"])
+# Two recipes whose points coincide (seen in a run: "GA+GC" and "GA+GC+16b"): names must not.
+COINCIDENT = [*TINY_RUNS[:4], TINY_RUNS[2], *TINY_RUNS[5:]]
+
+
+@pytest.mark.parametrize(
+    "runs", [TINY_RUNS, FULL_RUNS, COINCIDENT], ids=["tiny", "full", "coincident"]
+)
 def test_tradeoff_figure_has_no_overlapping_or_covered_labels(runs):
     from plot_checks import figure_problems
 

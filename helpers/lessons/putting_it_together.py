@@ -22,7 +22,7 @@ from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 from helpers.hardware import precision_problem
 from helpers.names import MiB
-from helpers.plots import legend_outside
+from helpers.plots import legend_outside, separate_labels
 from helpers.results import Record
 from helpers.train import RunConfig
 
@@ -189,25 +189,26 @@ def tradeoff_figure(table, title: str = "") -> Figure:
         marker="s",
         label="v4.30 guide, V100",
     )
+    labels = []
     for name, row in table.iterrows():
         short = SHORT.get(name, name)
         if name in ours.index:
-            ax.annotate(
+            labels.append(ax.annotate(
                 short,
                 (row["memory ratio"], row["speed ratio"]),
                 fontsize=7,
                 xytext=(3, 3),
                 textcoords="offset points",
                 color="#4C72B0",
-            )
-        ax.annotate(
+            ))  # fmt: skip
+        labels.append(ax.annotate(
             short,
             (row["V100 memory ratio"], row["V100 speed ratio"]),
             fontsize=7,
             xytext=(3, -9),
             textcoords="offset points",
             color="#C44E52",
-        )
+        ))  # fmt: skip
     ax.axhline(1, color="grey", lw=0.5)
     ax.axvline(1, color="grey", lw=0.5)
     ax.set_xlabel("memory / vanilla's (left is leaner)")
@@ -218,6 +219,7 @@ def tradeoff_figure(table, title: str = "") -> Figure:
     ax.set_ylabel("samples/s / vanilla's (up is faster, log scale)")
     ax.set_title(title)
     legend_outside(ax)  # outside the axes: it cannot cover a point or a name
+    separate_labels(fig, labels)  # recipes whose points nearly coincide: names one under another
     return fig
 
 
