@@ -68,9 +68,14 @@ def start(*extra: str) -> bool:
     it is ready by the first experiment instead of making that one wait (seconds on a
     laptop). Call it before the first experiment: once the server runs, its preload is fixed.
     Returns False where there is no fork server (Windows: experiments spawn).
+    Either way this process, like the server, stays quiet from here on about the two library
+    notices ``helpers.quiet`` names: a notebook's first cell calls it, before any import.
     """
     from multiprocessing import forkserver
 
+    from helpers.quiet import silence_library_notices
+
+    silence_library_notices()
     global _started_with
     if "forkserver" not in mp.get_all_start_methods():
         return False

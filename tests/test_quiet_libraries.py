@@ -6,7 +6,20 @@ import sys
 import pytest
 import torch
 
-from helpers.quiet import quiet_libraries
+from helpers.quiet import DEEPSPEED_LOGGER, _cpu_accelerator_notice, quiet_libraries
+
+
+@pytest.fixture(autouse=True)
+def _loud_loggers():
+    """Each test starts without the silencing an earlier isolate.start() left in this process."""
+    import logging
+
+    ds = logging.getLogger(DEEPSPEED_LOGGER)
+    had = _cpu_accelerator_notice in ds.filters
+    ds.removeFilter(_cpu_accelerator_notice)
+    yield
+    if had:
+        ds.addFilter(_cpu_accelerator_notice)
 
 
 def test_quiet_libraries_drops_two_notices_only_and_restores():
@@ -79,3 +92,11 @@ def test_the_fork_server_imports_quietly():
     if "kernels-community" not in loud:
         pytest.skip("this CPU's bitsandbytes backend does not look for the Hub kernel")
     assert "kernels-community" not in quiet
+
+
+def test_isolate_start_silences_this_process_too():
+    from helpers import isolate
+
+    assert _deepspeed_notice_shows()
+    isolate.start()  # a notebook's first cell
+    assert not _deepspeed_notice_shows()
