@@ -20,9 +20,9 @@ import torch
 
 from helpers.data import random_batch
 from helpers.models import build_model
-from helpers.names import KiB, MiB
+from helpers.names import PRECISION_BYTES, KiB, MiB
 
-FP32 = 4
+FP32 = PRECISION_BYTES["fp32"]  # bytes per element
 
 # The terms of Korthikanti et al.'s account, in the order the layer's forward saves them.
 QKV_IN = "Q/K/V projections' input"
