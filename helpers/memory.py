@@ -142,6 +142,8 @@ class CategoryTracker(MemTracker):
         module_hooks: bool = True,
         oom_prefix: str = "",
         offload: OffloadView | None = None,
+        module_peaks: bool = True,
+        cuda_storages: bool = False,
     ) -> None:
         super().__init__()
         self.budget = budget
@@ -157,6 +159,9 @@ class CategoryTracker(MemTracker):
         self.oom_prefix = oom_prefix
         self.offload = offload
         self.fetched_max = 0  # offload: the most gathered weights at one moment
+        self.module_peaks = module_peaks
+        self.cuda_storages = cuda_storages
+        self.peak_where = ""  # "forward: <module>", "backward: <module>" or "optimizer step"
         self.device_peak = 0  # offload: the largest device total, gathered weights included
         if not module_hooks:
             self._mod_tracker = _NoModuleHooks()
@@ -185,7 +190,9 @@ class CategoryTracker(MemTracker):
         return None
 
     def _update_peak_stats(self, peak_state) -> None:
-        if self.offload is None:  # per-module peaks: a scan per operator, unused offloading
+        # Per-module peaks cost a scan of every module per operator (most of a tracked 7B
+        # step's time); the estimator and the offload view read only the category totals.
+        if self.offload is None and self.module_peaks:
             super()._update_peak_stats(peak_state)
 
     def _account(self, growing: bool) -> None:
@@ -211,6 +218,9 @@ class CategoryTracker(MemTracker):
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        if self.cuda_storages and u_type.name == "ADD":
+            # The CUDA caching allocator's view of a storage traced on the CPU: 512-byte blocks.
+            winfo.mem_consumed = dev.allocation_bytes(winfo.mem_consumed, "cuda")
         super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
         if u_type.name == "ADD" and self._force_temp:
             winfo.course_weight_copy = True  # remembered so its release is subtracted below
@@ -248,7 +258,16 @@ class CategoryTracker(MemTracker):
         if snap["Total"] > self.max_total:
             self.max_total = snap["Total"]
             self.max_snapshot = self._named(snap)
+            self.peak_where = self._where()
         return snap
+
+    def _where(self) -> str:
+        """The phase and innermost module running now: where a new peak was reached."""
+        if self._in_opt:
+            return "optimizer step"
+        mt = self._mod_tracker
+        inner = max(mt.parents, key=len, default="Global")
+        return f"{'backward' if mt.is_bw else 'forward'}: {inner}"
 
     @staticmethod
     def _named(snap: dict) -> dict[str, int]:
@@ -296,6 +315,13 @@ class CategoryTracker(MemTracker):
             return super().__exit__(*args)
         finally:
             self._warnings.__exit__(None, None, None)
+
+    def current(self) -> dict[str, int]:
+        """Bytes alive now, per category, and their ``total`` (the tracked device only)."""
+        snaps = self._curr_mem_snap
+        snap = snaps.get(self.device) if self.device is not None else None
+        snap = snap or next(iter(snaps.values()), {})
+        return {**dict.fromkeys(CATEGORIES, 0), **self._named(snap), "total": snap.get("Total", 0)}
 
     def peaks(self) -> CategoryPeaks:
         """The per-category maxima and the largest total seen so far."""

@@ -22,16 +22,28 @@ def load_config(spec: str | Path | dict) -> PretrainedConfig:
         data = dict(spec)
     else:
         path = Path(spec)
-        if not path.suffix and not path.exists():
+        if not path.is_file():
             try:
                 path = config_path(str(spec))
-            except FileNotFoundError:
-                # Not bundled: a hub id. Only works where a hub is reachable (never in CI).
-                return AutoConfig.from_pretrained(str(spec))
+            except FileNotFoundError as missing:
+                if path.suffix == ".json":
+                    raise FileNotFoundError(f"no config file {spec}") from None
+                return _from_hub(str(spec), missing)
         data = json.loads(path.read_text())
     if "model_type" not in data:
         raise ValueError(f"config {spec} has no 'model_type': is it a transformers config.json?")
     return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+def _from_hub(model_id: str, missing: FileNotFoundError) -> PretrainedConfig:
+    """A model id's config from the Hugging Face hub (only where a hub is reachable)."""
+    try:
+        return AutoConfig.from_pretrained(model_id)
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(
+            f"{model_id!r} is not a file, and the hub could not give its config "
+            f"({type(err).__name__}). {missing}. Or pass a config.json path."
+        ) from None
 
 
 def task_kind(config: PretrainedConfig) -> str:
@@ -45,8 +57,9 @@ def build_model(
     device: torch.device | str = "cpu",
     seed: int = 0,
     dropout: float | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.nn.Module:
-    """A randomly initialised model for the config's task, in fp32, on ``device``.
+    """A randomly initialised model for the config's task, in ``dtype`` (fp32), on ``device``.
 
     ``attn`` is the attention implementation (``eager`` or ``sdpa``); ``dropout`` overrides
     the config's dropout rates (0.0 makes runs deterministic for gradient comparisons).
@@ -64,7 +77,9 @@ def build_model(
         if task_kind(config) == "classify"
         else AutoModelForCausalLM
     )
-    model = auto.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    model = auto.from_config(config, attn_implementation=attn, dtype=dtype)
+    if torch.device(device) == torch.device("cpu"):
+        return model  # already there (and fake tensors, helpers.estimator.traced, cannot move)
     return model.to(device)
 
 
@@ -73,18 +88,22 @@ def count_params(model: torch.nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
-def enable_checkpointing(model: torch.nn.Module) -> None:
+def enable_checkpointing(model: torch.nn.Module, context_fn=None) -> None:
     """Turn on transformers' activation (gradient) checkpointing, non-reentrant.
 
     transformers 5 renamed ``gradient_checkpointing_enable`` to
     ``activation_checkpointing_enable`` (the old name warns and goes in v6); use whichever
-    this version has.
+    this version has. ``context_fn``: ``torch.utils.checkpoint``'s (the contexts for the
+    forward and for the recomputation).
     """
     model.config.use_cache = False  # training never uses the KV cache; checkpointing forbids it
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is None:
         enable = model.gradient_checkpointing_enable
-    enable({"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
+    enable(kwargs)
 
 
 def disable_checkpointing(model: torch.nn.Module) -> None:

@@ -95,8 +95,9 @@ def get_scale(name: str | None = None, device: torch.device | None = None) -> Sc
 
 def config_path(name: str) -> Path:
     """Path of a bundled transformers config JSON (``bert-tiny``, ``llama-7b``, ...)."""
-    path = resources.files("helpers") / "configs" / f"{name}.json"
+    folder = resources.files("helpers") / "configs"
+    path = folder / f"{name}.json"
     if not path.is_file():
-        known = sorted(p.name.removesuffix(".json") for p in (path.parent).iterdir())
+        known = sorted(p.name.removesuffix(".json") for p in folder.iterdir())
         raise FileNotFoundError(f"no bundled config {name!r}; bundled: {', '.join(known)}")
     return Path(str(path))
