@@ -120,6 +120,7 @@ def _estimate(args) -> int:
     )
     summary = {"n_params": est.n_params, **{k: int(getattr(est, k)) for k in fields}}
     summary["peak_at"] = est.peak_at
+    summary["path"] = est.path  # "analytical" (the stage model) or "traced" (fake tensors)
     _print_summary(summary, args.json)
     return 0
 

@@ -215,9 +215,11 @@ def test_estimate_works_for_a_device_that_is_not_here():
     assert gpu.params == cpu.params + 504
 
 
-def test_unsupported_architecture_is_a_clear_error():
-    with pytest.raises(ValueError, match="gpt2"):
-        estimate({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2}, 1, 8)
+def test_an_architecture_without_a_stage_model_is_traced():
+    gpt2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2}
+    assert estimate(gpt2, 1, 8).path == "traced"  # tests/test_traced.py checks the numbers
+    with pytest.raises(ValueError, match="no analytical model for model_type 'gpt2'"):
+        estimate(gpt2, 1, 8, path="analytical")
 
 
 def test_cli_estimate_json_is_the_estimate(capsys):

@@ -9,7 +9,7 @@ import torch
 from helpers.device import allocation_bytes
 from helpers.estimator.decoder import _decoder_stages
 from helpers.estimator.encoder import _encoder_stages
-from helpers.estimator.model import FP32, ModelInfo, describe_model
+from helpers.estimator.model import EXPERTS_KEY, FP32, SUPPORTED, TRACED, ModelInfo, describe_model
 from helpers.estimator.simulate import Estimate, _simulate
 from helpers.estimator.stages import Moment, Stage, _Shape
 from helpers.estimator.state import optimizer_state_bytes, optimizer_step_temporaries
@@ -28,6 +28,8 @@ def estimate(
     device: str | torch.device | None = None,
     lora_r: int = 0,
     lora_targets: str = "",
+    path: str = "auto",
+    qlora: bool = False,
 ) -> Estimate:
     """Predicted per-category bytes of one steady-state training step (see the module doc).
 
@@ -36,6 +38,11 @@ def estimate(
     ``device`` (default: ``helpers.device.default_device()``) picks CPU or CUDA behaviour.
     ``lora_r`` > 0 trains LoRA adapters of that rank on ``lora_targets`` instead of every
     weight (as ``RunConfig``; ignored when ``model`` is a ModelInfo, which already says it).
+    ``path``: "analytical" (the stage model: bert, llama, mistral, qwen2, mixtral), "traced"
+    (any architecture: ``helpers.estimator.traced``) or "auto": analytical where it exists
+    and no LoRA is trained (the stage model's LoRA account is approximate, the traced one
+    exact). ``Estimate.path`` says which one answered. ``qlora``: the LoRA step with the
+    layers' frozen Linear weights in 4 bits (``helpers.estimator.qlora``; 16-bit precision).
     """
     from helpers.device import resolve
 
@@ -45,16 +52,51 @@ def estimate(
     if limit and seq_len > limit:
         raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings ({limit})")
     dev = resolve(device)
+    chosen = _choose_path(info, path, precision, qlora)
+    if chosen == "analytical":
+        return _analytical(info, batch_size, seq_len, precision, optimizer,
+                           gradient_checkpointing, attn, grad_accum, dev.type)  # fmt: skip
+    step = _traced(info, batch_size, seq_len, precision, optimizer, gradient_checkpointing,
+                   attn, grad_accum, dev.type, frozen_16bit=qlora)  # fmt: skip
+    if qlora:
+        from helpers.estimator.qlora import qlora_estimate
+
+        return qlora_estimate(step, info)
+    return step
+
+
+def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool) -> str:
+    """ "analytical" or "traced" for ``estimate``'s ``path``; ValueError, saying why, if neither."""
+    if path not in PATHS:
+        raise ValueError(f"unknown path {path!r}: use one of {', '.join(PATHS)}")
+    if path == "analytical" and info.family == TRACED:
+        raise ValueError(
+            f"no analytical model for model_type {info.model_type!r} (it knows "
+            f"{', '.join(SUPPORTED)}): use path='traced' or 'auto'"
+        )
+    lora = info.n_trainable < info.n_params
+    if qlora and (not lora or precision not in AUTOCAST or path == "analytical"):
+        raise ValueError(
+            "QLoRA trains LoRA adapters (lora_r > 0) in 16-bit compute (precision bf16 or "
+            "fp16) and is estimated on the traced path"
+        )
+    if path == "traced" or info.family == TRACED or (path == "auto" and lora) or qlora:
+        return "traced"
+    return "analytical"
+
+
+def _analytical(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accum, device_type):
+    """The stage model's estimate (the module doc)."""
     z = _Shape(
         b=batch_size, s=seq_len, ea=PRECISION_BYTES[precision], amp=precision in AUTOCAST,
-        dev=dev.type,
+        dev=device_type,
     )  # fmt: skip
     build = _encoder_stages if info.family == "encoder" else _decoder_stages
-    stages = build(info, z, attn, gradient_checkpointing)
+    stages = build(info, z, attn, gc)
     _add_adapters(stages, info, z)
-    if dev.type == "cuda":
+    if device_type == "cuda":
         _round_to_allocations(stages, info)
-    state = _training_state(info, optimizer, dev.type)
+    state = _training_state(info, optimizer, device_type)
     base = state.params + state.buffers + state.optimizer_state
     act, temp, copies, peak, where = _simulate(
         stages, base, state.gradients, grad_accum > 1, state.step_temporaries
@@ -72,6 +114,48 @@ def estimate(
         peak_at=where,
         layer_activations=_first_layer(stages),
         paper_layer_bytes=_paper_layer_bytes(info.config, batch_size, seq_len),
+    )
+
+
+PATHS = ("auto", "analytical", "traced")
+
+
+def _traced(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accum, device_type,
+            frozen_16bit=False):  # fmt: skip
+    """A traced forward and backward plus the optimizer's exact state and step (traced.py)."""
+    from helpers.estimator.traced import paper_layer_bytes, trace_step
+    from helpers.models import load_config
+
+    config = load_config({k: v for k, v in info.config.items() if k != EXPERTS_KEY})
+    lora = [p for p in info.params if ".lora_A." in p.name]
+    lora_r = lora[0].shape[0] if lora else 0
+    targets = ",".join(sorted({p.name.split(".lora_A.")[0].rsplit(".", 1)[-1] for p in lora}))
+    t = trace_step(config, batch_size, seq_len, precision, gc, attn, grad_accum, device_type,
+                   lora_r, targets, frozen_16bit)  # fmt: skip
+    traced_step = t.steps.get(optimizer)
+    if traced_step is not None:  # the CPU: the optimizer's step was traced too
+        opt_state, opt_temp = traced_step.optimizer_state, traced_step.temporaries
+        step = traced_step.peak
+    else:  # from helpers.estimator.state (CUDA's foreach kernels; Adafactor, 8-bit AdamW)
+        state = _training_state(info, optimizer, device_type)
+        opt_state, opt_temp = state.optimizer_state, state.step_temporaries
+        step = t.params + t.buffers + opt_state + t.gradients + opt_temp + t.leftovers
+    # The state is there through forward and backward; the step is one more moment.
+    forward_backward = t.peak + opt_state
+    peak, where = max((forward_backward, t.peak_at), (step, "optimizer step"), key=lambda x: x[0])
+    return Estimate(
+        n_params=info.n_params,
+        params=t.params,
+        buffers=t.buffers,
+        gradients=t.gradients,
+        optimizer_state=opt_state,
+        activations=t.activations,
+        temporaries=max(t.temporaries, opt_temp),
+        weight_copies=t.weight_copies,
+        peak=peak,
+        peak_at=where,
+        paper_layer_bytes=paper_layer_bytes(config, batch_size, seq_len),
+        path="traced",
     )
 
 

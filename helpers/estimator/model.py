@@ -25,7 +25,9 @@ MOE = ("mixtral",)
 ENCODERS = ("bert",)
 
 
-SUPPORTED = ENCODERS + DECODERS + MOE
+SUPPORTED = ENCODERS + DECODERS + MOE  # families with an analytical stage model
+
+TRACED = "traced"  # every other family: estimated on fake tensors (helpers.estimator.traced)
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class ModelInfo:
     """What the estimator needs to know about a model: its config and its parameter tensors."""
 
     model_type: str
-    family: str  # "encoder" | "decoder" | "moe"
+    family: str  # "encoder" | "decoder" | "moe" (analytical) | "traced" (any other)
     config: dict
     params: tuple[ParamInfo, ...]  # in model.parameters() order (the optimizer's order)
     buffer_sizes: tuple[int, ...]  # bytes of each buffer (position ids, rotary frequencies...)
@@ -104,10 +106,7 @@ def _family(model_type: str) -> str:
         return "decoder"
     if model_type in MOE:
         return "moe"
-    raise ValueError(
-        f"no activation model for model_type {model_type!r}: the estimator knows "
-        f"{', '.join(SUPPORTED)}"
-    )
+    return TRACED
 
 
 def describe_model(
@@ -163,11 +162,14 @@ def describe_model(
     return ModelInfo(
         model_type=config.model_type,
         family=family,
-        config={**config.to_dict(), "_experts_implementation": _experts_impl(net)},
+        config={**config.to_dict(), EXPERTS_KEY: _experts_impl(net)},
         params=tuple(params),
         buffer_sizes=buffers,
         tied=tied,
     )
+
+
+EXPERTS_KEY = "_experts_implementation"  # added to ModelInfo.config: not a config field
 
 
 def _experts_impl(net) -> str | None:

@@ -23,6 +23,7 @@ class Estimate:
     peak_at: str  # "forward: ...", "backward: <stage>", "optimizer step"
     layer_activations: dict[str, int] = field(default_factory=dict)  # one layer, labelled
     paper_layer_bytes: int = 0  # Korthikanti et al.'s s·b·h·(34 + 5as/h) for one layer
+    path: str = "analytical"  # "analytical" (the stage model) or "traced" (fake tensors)
 
     def as_dict(self) -> dict:
         """Plain dict for records and JSON."""
