@@ -207,25 +207,32 @@ def candidates(
     optimizers=None,
     attentions=ATTENTION,
     checkpointing=(False, True),
+    lora_r: int = 0,
+    lora_targets: str = "",
+    qlora: bool = False,
 ) -> list[Candidate]:
     """Every configuration of the search space with its estimated peak; cheapest fitting first.
 
     A candidate fits when its estimated peak is within ``usable_budget(budget, device)``.
+    ``lora_r`` > 0 trains LoRA adapters (``qlora``: on 4-bit weights, 16-bit precisions only).
     """
     from helpers.device import resolve
 
     dev = resolve(device)
     limit = usable_budget(budget, dev)
     precisions = list(precisions or available_precisions(dev))
+    if qlora:
+        precisions = [p for p in precisions if p in AUTOCAST]
     optimizers = list(optimizers or available_optimizers())
-    infos = {attn: describe_model(model, attn) for attn in attentions}
+    infos = {attn: describe_model(model, attn, lora_r, lora_targets) for attn in attentions}
     out = []
     space = itertools.product(
         _divisors(effective_batch), checkpointing, precisions, optimizers, attentions
     )
     for micro, gc, prec, opt, attn in space:
         accum = effective_batch // micro
-        est = estimate(infos[attn], micro, seq_len, prec, opt, gc, attn, accum, device=dev)
+        est = estimate(infos[attn], micro, seq_len, prec, opt, gc, attn, accum, device=dev,
+                       qlora=qlora)  # fmt: skip
         c = Candidate(micro, accum, gc, prec, opt, attn, est.peak, est.peak <= limit, 0.0, est)
         out.append(replace(c, cost=predicted_cost(c, seq_len, dev.type)))
     rank = {name: i for i, name in enumerate(optimizers)}  # ties: the order asked for
@@ -410,6 +417,25 @@ def _variant(cands: list[Candidate], c: Candidate, **changes) -> Candidate | Non
     return next((x for x in cands if all(getattr(x, k) == v for k, v in want.items())), None)
 
 
+def _savings(c: Candidate, cands: list[Candidate]) -> tuple[list[str], list[str]]:
+    """Each memory-saving choice of ``c`` against the same configuration without it: the
+    alternatives that would not fit (it needs the saving) and those that would."""
+    plain = [  # (what c chose, its plain alternative, the change to it)
+        (c.grad_accum > 1, "one micro-batch of the whole batch",
+         {"micro_batch": c.micro_batch * c.grad_accum, "grad_accum": 1}),
+        (c.gradient_checkpointing, "no checkpointing", {"gradient_checkpointing": False}),
+        (c.optimizer != "adamw", "AdamW", {"optimizer": "adamw"}),
+        (c.precision not in ("fp32", "tf32"), "fp32", {"precision": "fp32"}),
+    ]  # fmt: skip
+    needed, optional = [], []
+    for chosen, name, change in plain:
+        other = _variant(cands, c, **change) if chosen else None
+        if other is not None:
+            note = f"{name} ({human_bytes(other.estimated_peak)})"
+            (optional if other.fits else needed).append(note)
+    return needed, optional
+
+
 def explain(best, runner, cands, budget, measured, timing=None) -> str:
     """One paragraph: why the winner won, from the numbers of the search."""
     if best is None:
@@ -433,20 +459,7 @@ def explain(best, runner, cands, budget, measured, timing=None) -> str:
     if best.measured_peak:
         text += f", measured {human_bytes(best.measured_peak)}"
     text += "). "
-    # Each memory-saving choice of the winner, against the same configuration without it.
-    plain = [  # (what the winner chose, its plain alternative, the change to it)
-        (c.grad_accum > 1, "one micro-batch of the whole batch",
-         {"micro_batch": c.micro_batch * c.grad_accum, "grad_accum": 1}),
-        (c.gradient_checkpointing, "no checkpointing", {"gradient_checkpointing": False}),
-        (c.optimizer != "adamw", "AdamW", {"optimizer": "adamw"}),
-        (c.precision not in ("fp32", "tf32"), "fp32", {"precision": "fp32"}),
-    ]  # fmt: skip
-    needed, optional = [], []
-    for chosen, name, change in plain:
-        other = _variant(cands, c, **change) if chosen else None
-        if other is not None:
-            note = f"{name} ({human_bytes(other.estimated_peak)})"
-            (optional if other.fits else needed).append(note)
+    needed, optional = _savings(c, cands)
     if needed:
         text += "It needs its memory savings: with " + ", or ".join(needed) + " it would not fit. "
     if optional:
@@ -536,3 +549,102 @@ def search_outcomes(result: Plan, cands: list[Candidate]) -> list[SearchOutcome]
 def _kind(c: Candidate) -> tuple:
     """What ``shortlist`` keeps varied: precision, optimizer, attention, checkpointing."""
     return (c.precision, c.optimizer, c.attn, c.gradient_checkpointing)
+
+
+# -------------------------------------------------------------------------------------------
+# On paper: a card that is not here (lesson 14's "your model").
+
+METHODS = ("full", "lora", "qlora")  # full fine-tuning; LoRA adapters; LoRA on 4-bit weights
+
+
+@dataclass(frozen=True)
+class CardPlan:
+    """The planner's answer for a card that is not on this machine: estimates only."""
+
+    model: str
+    card: str
+    method: str
+    budget: int  # the card's memory
+    usable: int  # what an estimated peak may use (``usable_budget``)
+    effective_batch: int
+    seq_len: int
+    considered: int
+    fitting: list[Candidate]  # cheapest predicted first
+    best: Candidate | None
+    reason: str
+
+
+def card_precisions(card) -> list[str]:
+    """The precisions a card trains in: bf16 and tf32 need compute capability 8.0 (Ampere)."""
+    ampere = tuple(card.capability) >= (8, 0)
+    return [p for p in PRECISIONS if ampere or p not in ("bf16", "tf32")]
+
+
+def plan_for_card(
+    model,
+    card,
+    effective_batch: int,
+    seq_len: int,
+    method: str = "full",
+    lora_r: int = 16,
+    lora_targets: str = "all-linear",
+    **space,
+) -> CardPlan:
+    """The configuration predicted fastest among those estimated to fit ``card``, and why.
+
+    ``card``: a ``helpers.device.GpuInfo`` or a name of ``helpers.fullscale.REFERENCE_CARDS``
+    ("t4", "l4", ...). Nothing runs: the estimator's CUDA branch prices every candidate and
+    ``predicted_cost`` ranks them (``plan`` measures and times instead, on a device that is
+    here). ``method``: one of ``METHODS``; ``space`` narrows the search as in ``candidates``.
+    """
+    from helpers.fullscale import REFERENCE_CARDS
+
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+    if isinstance(card, str):
+        if card not in REFERENCE_CARDS:
+            raise ValueError(f"unknown card {card!r}: use one of {', '.join(REFERENCE_CARDS)}")
+        card = REFERENCE_CARDS[card]
+    lora = {"lora_r": lora_r, "lora_targets": lora_targets} if method != "full" else {}
+    space.setdefault("precisions", card_precisions(card))
+    cands = candidates(model, card.total_memory, effective_batch, seq_len, "cuda",
+                       qlora=method == "qlora", **lora, **space)  # fmt: skip
+    fitting = [c for c in cands if c.fits]
+    best = fitting[0] if fitting else None
+    usable = usable_budget(card.total_memory, torch.device("cuda"))
+    name = model if isinstance(model, str) else getattr(model, "model_type", "model")
+    reason = explain_for_card(best, cands, card, usable, method)
+    return CardPlan(str(name), card.name, method, card.total_memory, usable, effective_batch,
+                    seq_len, len(cands), fitting, best, reason)  # fmt: skip
+
+
+def explain_for_card(best, cands, card, usable: int, method: str) -> str:
+    """One paragraph: what fits ``card`` and what each memory saving of the answer buys."""
+    what = {"full": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA"}[method]
+    if best is None:
+        smallest = min(cands, key=lambda c: c.estimated_peak)
+        est = smallest.estimate
+        state = est.params + est.gradients + est.optimizer_state if est else 0
+        return (
+            f"{what} does not fit the {card.name}: {human_bytes(usable)} of its "
+            f"{human_bytes(card.total_memory)} are usable (after the CUDA context and a 10 % "
+            f"margin), and the smallest estimated peak is {human_bytes(smallest.estimated_peak)} "
+            f"({smallest.label}), of which weights, gradients and optimizer state are "
+            f"{human_bytes(state)}. Fewer trainable weights (LoRA), 4-bit frozen weights "
+            "(QLoRA) or a shorter sequence would shrink it."
+        )
+    fit = [c for c in cands if c.fits]
+    text = (
+        f"{what} on the {card.name}: {best.label} is predicted the fastest of {len(fit)} of "
+        f"{len(cands)} configurations estimated to fit {human_bytes(usable)} usable; its "
+        f"estimated peak is {human_bytes(best.estimated_peak)} "
+        f"({100 * best.estimated_peak / usable:.0f}% of that). "
+    )
+    needed, optional = _savings(best, cands)
+    if needed:
+        text += "It needs its memory savings: with " + ", or ".join(needed) + " it would not fit. "
+    if optional:
+        text += "These would fit too, predicted slower: " + ", ".join(optional) + ". "
+    if not needed and not optional:
+        text += "The plain setup fits, so no memory-saving technique is needed. "
+    return text
