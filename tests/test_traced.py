@@ -1,0 +1,228 @@
+"""The estimator's traced path (fake tensors): against the real tracker, whole traces, the
+analytical model, PyTorch's CUDA sources; QLoRA's counting and the planner on paper."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.estimator import estimate
+from helpers.estimator import traced as T
+from helpers.estimator.plan import card_precisions, plan_for_card
+from helpers.estimator.qlora import nf4_bytes
+from helpers.memory import CategoryTracker
+from helpers.models import load_config
+from helpers.train import RunConfig, Trainee
+
+CATEGORIES = ("params", "buffers", "gradients", "optimizer_state", "activations",
+              "temporaries", "weight_copies")  # fmt: skip
+FAMILIES = ("gpt2-tiny", "qwen3-tiny", "gemma3-tiny", "phi3-tiny", "opt-tiny")
+SETTINGS = {
+    "fp32": {},
+    "bf16+sdpa+ckpt": {"precision": "bf16", "attn": "sdpa", "gradient_checkpointing": True},
+    "accumulate 3": {"grad_accum": 3},
+    "lora": {"lora_r": 4, "lora_targets": "all-linear"},
+}
+
+
+def measured(cfg: RunConfig):
+    """One steady-state step of ``cfg`` on this CPU, tracked (as ``helpers.train.measure``)."""
+    trainee = Trainee(cfg)
+    trainee.step()
+    tracker = CategoryTracker(device=trainee.device)
+    tracker.track_external(trainee.model, trainee.optimizer)
+    with tracker:
+        trainee.step()
+    return tracker.peaks()
+
+
+def estimated(cfg: RunConfig, **kw):
+    return estimate(cfg.model, cfg.batch_size, cfg.seq_len, cfg.precision, cfg.optimizer,
+                    cfg.gradient_checkpointing, cfg.attn, cfg.grad_accum, "cpu", cfg.lora_r,
+                    cfg.lora_targets, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("model", FAMILIES)
+def test_fake_tensors_match_the_real_tracker(model, setting):
+    cfg = RunConfig(model=model, batch_size=2, seq_len=32, device="cpu", **SETTINGS[setting])
+    est, real = estimated(cfg), measured(cfg)
+    assert est.path == "traced"
+    for key in CATEGORIES:  # the same step, the same tracker: every category to the byte
+        assert getattr(est, key) == getattr(real, key), key
+    assert abs(est.peak - real.peak) <= 0.01 * real.peak  # the issue's bound; exact here
+    assert est.peak == real.peak
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw8bit"])
+def test_other_optimizers_on_fake_tensors(optimizer):
+    # SGD's step is traced; 8-bit AdamW's comes from helpers.estimator.state (bitsandbytes
+    # builds its quantisation map from numbers, which fake tensors do not have).
+    cfg = RunConfig(model="gpt2-tiny", batch_size=2, seq_len=32, device="cpu", optimizer=optimizer)
+    est, real = estimated(cfg), measured(cfg)
+    assert {k: getattr(est, k) for k in CATEGORIES} == {k: getattr(real, k) for k in CATEGORIES}
+    assert est.peak == real.peak
+
+
+def deep(name: str, layers: int = 7):
+    """``name`` with more layers (Gemma: every third one full attention, the rest sliding)."""
+    data = load_config(name).to_dict()
+    data["num_hidden_layers"] = layers
+    if data.get("layer_types"):
+        kinds = ("sliding_attention", "sliding_attention", "full_attention")
+        data["layer_types"] = [kinds[i % 3] if "gemma" in name else data["layer_types"][0]
+                               for i in range(layers)]  # fmt: skip
+    return load_config(data)
+
+
+EXTRAPOLATED = [
+    ("gemma3-tiny", "cpu", "fp32", False, "eager", 1, 0),
+    ("gemma3-tiny", "cuda", "bf16", True, "sdpa", 1, 0),
+    ("qwen3-tiny", "cpu", "bf16", False, "sdpa", 2, 0),
+    ("qwen3-tiny", "cuda", "bf16", False, "sdpa", 1, 4),
+    ("gpt2-tiny", "cuda", "bf16", True, "sdpa", 1, 0),
+    ("opt-tiny", "cpu", "fp32", True, "eager", 1, 4),
+    ("bert-tiny", "cuda", "bf16", True, "eager", 2, 0),
+    ("mixtral-tiny", "cpu", "fp32", False, "eager", 2, 0),
+]
+
+
+@pytest.mark.parametrize("model, dev, precision, gc, attn, accum, lora", EXTRAPOLATED)
+def test_two_shallow_traces_give_the_deep_one(model, dev, precision, gc, attn, accum, lora):
+    config = deep(model)
+    assert T.layer_plan(config) is not None  # 7 layers: extrapolated
+    setting = (2, 32, precision, gc, attn, accum, dev, lora, "", False)
+    whole, _ = T._trace(config, *setting)
+    key = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    lines = T._trace_cached.__wrapped__(key, *setting)
+    for f in dataclasses.fields(whole):
+        if f.name != "peak_at":  # named differently ("layer 6"), the same moment
+            assert getattr(lines, f.name) == getattr(whole, f.name), f.name
+
+
+def test_layers_that_differ_are_traced_whole():
+    config = deep("qwen3-tiny")
+    assert T.layer_plan(config) == (
+        ["full_attention"] * 2,
+        {"full_attention": ["full_attention"] * 3},
+    )
+    config.mlp_only_layers = [0]  # a dense layer among expert layers: not alike
+    assert T.layer_plan(config) is None
+    assert T.layer_plan(load_config("qwen3-tiny")) is None  # two layers: cheap enough whole
+    small, plus = T.layer_plan(deep("gemma3-tiny"))  # first and last kinds kept, both present
+    assert small == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert set(plus) == {"sliding_attention", "full_attention"}
+
+
+def variant(base: str, **changes):
+    data = load_config(base).to_dict() | changes
+    return data
+
+
+ANALYTICAL = {
+    "bert": "bert-tiny",
+    "llama": "llama-tiny",
+    "mistral": variant("llama-tiny", model_type="mistral", sliding_window=4096),
+    "qwen2": variant("llama-tiny", model_type="qwen2", attention_bias=True),
+    "mixtral": "mixtral-tiny",
+}
+
+
+@pytest.mark.parametrize("setting", [{}, {"precision": "bf16", "attn": "sdpa"},
+                                     {"gradient_checkpointing": True}])  # fmt: skip
+@pytest.mark.parametrize("dev", ["cpu", "cuda"])
+@pytest.mark.parametrize("family", list(ANALYTICAL))
+def test_traced_agrees_with_the_analytical_model(family, dev, setting):
+    model = ANALYTICAL[family]
+    a = estimate(model, 2, 64, device=dev, path="analytical", **setting)
+    t = estimate(model, 2, 64, device=dev, path="traced", **setting)
+    assert (a.path, t.path) == ("analytical", "traced")
+    for key in ("params", "buffers", "gradients", "optimizer_state"):
+        assert getattr(t, key) == getattr(a, key), key  # the model state: exact on both paths
+    # The two paths count the same step's tensors in different ways: the stage model lumps
+    # the loss's few scalars, and on CUDA rounds a moment's small tensors as one block where
+    # the trace rounds each. The largest gap seen was under 1 % of the peak (BERT, bf16 +
+    # SDPA, a 16-bit temporary that ends before the peak in the trace); a missing or doubled
+    # tensor (a layer's activations, a weight copy) would be 5-20 % of these peaks.
+    assert abs(t.peak - a.peak) <= 0.01 * a.peak
+    assert abs(t.activations - a.activations) <= 0.07 * a.activations
+
+
+def test_cuda_dropout_keeps_a_one_byte_mask():
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        x = torch.randn(64, 64, requires_grad=True)
+        with T.CudaSemantics(autocast=False):
+            torch.nn.functional.dropout(x, 0.1, training=True)
+    assert [t.dtype for t in saved] == [torch.bool]  # the CPU keeps an fp32 mask instead
+
+
+def test_cuda_autocast_lists_are_pytorchs():
+    header = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
+    text = header.read_text()
+
+    def listed(macro: str) -> set[str]:  # the macro's lines: each ends in a backslash
+        body = re.search(rf"#define {macro}\(_\)\s*\\\n((?:.*\\\n)*.*)", text).group(1)
+        return set(re.findall(r"_\((\w+)", body))
+
+    assert listed("AT_FORALL_FP32") == T.CUDA_FP32_OPS
+    assert listed("AT_FORALL_FP32_SET_OPT_DTYPE") == T.CUDA_FP32_DTYPE_OPS
+
+
+def test_cuda_storages_round_to_512_bytes():
+    odd = variant("gpt2-tiny", n_embd=72, n_head=4)  # LayerNorm weights of 288 B
+    cuda = estimate(odd, 2, 32, device="cuda", path="traced")
+    sizes = [p.numel() * 4 for p in Trainee(RunConfig(model=odd)).model.parameters()]
+    assert cuda.params == sum(-(-n // 512) * 512 for n in sizes) > sum(sizes)
+
+
+def test_a_seven_billion_config_traces_in_seconds():
+    import time
+
+    start = time.perf_counter()
+    est = estimate("qwen3-8b", 1, 2048, "bf16", "adamw", True, "sdpa", 1, "cuda")
+    assert time.perf_counter() - start < 60  # the issue's bound for a 7-8B config
+    assert est.path == "traced" and est.params == 4 * 8_190_735_360  # each a multiple of 512 B
+
+
+def test_qlora_counts_four_bit_weights():
+    assert nf4_bytes(64 * 256, double_quant=False) == 64 * 256 // 2 + 4 * 256
+    assert nf4_bytes(64 * 256) == 64 * 256 // 2 + 256 + 4 + 1028
+    lora = estimate("qwen3-tiny", 2, 32, "bf16", lora_r=4, lora_targets="all-linear", device="cuda")
+    q = estimate("qwen3-tiny", 2, 32, "bf16", lora_r=4, lora_targets="all-linear", device="cuda",
+                 qlora=True)  # fmt: skip
+    assert q.params < lora.params and q.gradients == lora.gradients and q.peak < lora.peak
+    with pytest.raises(ValueError, match="16-bit"):
+        estimate("qwen3-tiny", 2, 32, "fp32", lora_r=4, qlora=True)
+
+
+def test_plan_on_paper_for_a_card_not_here():
+    from helpers.device import GpuInfo
+
+    t4 = GpuInfo("Tesla T4", 15_828_320_256, (7, 5), 40, "")
+    assert "bf16" not in card_precisions(t4) and "fp16" in card_precisions(t4)
+    small = GpuInfo("small card", 600 * 2**20, (8, 0), 1, "")  # 600 MiB: tiny configs
+    full = plan_for_card("qwen3-tiny", small, 4, 64, "full", attentions=("sdpa",))
+    assert full.best is not None and full.best.estimated_peak <= full.usable
+    assert full.best.label in full.reason
+    assert all(c.fits == (c.estimated_peak <= full.usable) for c in full.fitting)
+    q = plan_for_card("qwen3-tiny", small, 4, 64, "qlora", lora_r=4, attentions=("sdpa",))
+    assert {c.precision for c in q.fitting} <= {"bf16", "fp16"}
+    with pytest.raises(ValueError, match="unknown card"):
+        plan_for_card("qwen3-tiny", "a-card", 4, 64)
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_cli_estimate_json_says_the_path(model, capsys):
+    from helpers.cli import main
+
+    args = f"estimate --model {model} --batch-size 2 --seq-len 32 --device cpu --json".split()
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    real = measured(RunConfig(model=model, batch_size=2, seq_len=32, device="cpu"))
+    assert data["path"] == "traced" and data["peak"] == real.peak
