@@ -234,3 +234,55 @@ SHORT = {
     "8-bit AdamW": "8bit",
     "8-bit + accum + ckpt + 16-bit": "8bit+3",
 }
+
+
+# -------------------------------------------------------------------------------------------
+# Section 7: your model. Real configs on cards that are not here, estimates only.
+
+YOUR_MODELS = ("qwen3-0.6b", "llama-3.2-1b")  # bundled real configs: a traced and an analytical
+YOUR_CARDS = ("t4", "l4")  # 16 GB (no bf16) and 24 GB (helpers.fullscale.REFERENCE_CARDS)
+YOUR_SEQ_LEN = 1024
+YOUR_BATCH = 4  # effective batch: micro-batches 1, 2 or 4
+LORA_R = 16  # LoRA rank on every Linear of the layers ("all-linear"), as in the QLoRA paper
+
+
+def your_model_space(card) -> dict:
+    """The search: the card's 16-bit precision, SDPA, with or without checkpointing, AdamW
+    or 8-bit AdamW (optimizers are free; each other choice costs one trace)."""
+    from helpers.estimator.plan import card_precisions
+
+    half = "bf16" if "bf16" in card_precisions(card) else "fp16"
+    return {"precisions": (half,), "attentions": ("sdpa",), "optimizers": ("adamw", "adamw8bit")}
+
+
+def your_model_plans(models=YOUR_MODELS, cards=YOUR_CARDS, methods=("full", "lora", "qlora")):
+    """``plan_for_card`` for every model, card and method, keyed by those three."""
+    from helpers.estimator.plan import plan_for_card
+    from helpers.fullscale import REFERENCE_CARDS
+
+    plans = {}
+    for model in models:
+        for name in cards:
+            card = REFERENCE_CARDS[name]
+            for method in methods:
+                plans[model, name, method] = plan_for_card(
+                    model, card, YOUR_BATCH, YOUR_SEQ_LEN, method, LORA_R, "all-linear",
+                    **your_model_space(card),
+                )  # fmt: skip
+    return plans
+
+
+def your_model_table(plans):
+    """One row per plan: the answer, its estimated peak, the path that estimated it."""
+    import pandas as pd
+
+    rows = []
+    for (model, card, method), p in plans.items():
+        rows.append({
+            "model": model, "card": card, "method": method,
+            "answer": p.best.label if p.best else "does not fit",
+            "peak GiB": round(p.best.estimated_peak / 2**30, 2) if p.best else None,
+            "usable GiB": round(p.usable / 2**30, 2),
+            "path": p.best.estimate.path if p.best else "",
+        })  # fmt: skip
+    return pd.DataFrame(rows).set_index(["model", "card", "method"])
