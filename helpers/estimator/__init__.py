@@ -1,5 +1,11 @@
 """Predict the memory of a training step, category by category, without building the weights.
 
+Two paths (``estimate(..., path=)``; ``Estimate.path`` says which answered): the analytical
+stage model below, for BERT, Llama, Mistral, Qwen2 and Mixtral, which says *why* each byte is
+there; and for every other architecture and every LoRA run, ``helpers.estimator.traced``: the
+course's tracker over one real training step on fake tensors. ``qlora=True`` adds 4-bit
+weights to a LoRA step (``helpers.estimator.qlora``); ``plan.plan_for_card`` plans on paper.
+
 ``estimate(...)`` returns the categories ``helpers.train.measure`` reports (the
 ``helpers.memory.CategoryTracker`` contract): each category's own largest size during one
 steady-state step, and ``peak``, the largest total alive at one moment. The model is built on

@@ -242,7 +242,7 @@ SHORT = {
 YOUR_MODELS = ("qwen3-0.6b", "llama-3.2-1b")  # bundled real configs: a traced and an analytical
 YOUR_CARDS = ("t4", "l4")  # 16 GB (no bf16) and 24 GB (helpers.fullscale.REFERENCE_CARDS)
 YOUR_SEQ_LEN = 1024
-YOUR_BATCH = 4  # effective batch: micro-batches 1, 2 or 4
+YOUR_BATCH = 2  # effective batch: micro-batches 1 or 2 (each a trace per setting: time)
 LORA_R = 16  # LoRA rank on every Linear of the layers ("all-linear"), as in the QLoRA paper
 
 
