@@ -226,3 +226,14 @@ def test_cli_estimate_json_says_the_path(model, capsys):
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     real = measured(RunConfig(model=model, batch_size=2, seq_len=32, device="cpu"))
     assert data["path"] == "traced" and data["peak"] == real.peak
+
+
+def test_cli_plan_for_a_traced_family(capsys):
+    # The real command on a family without a stage model: its candidates priced on fake
+    # tensors, the winner measured in a fresh process under the budget, to the byte.
+    from helpers.cli import main
+
+    argv = "plan --model gpt2-tiny --budget 64MiB --effective-batch 4 --seq-len 32".split()
+    assert main([*argv, *"--device cpu --top-k 1 --rounds 5 --json".split()]) == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert data["best"] and data["best_estimated_peak"] == data["best_measured_peak"]
