@@ -436,6 +436,19 @@ def _savings(c: Candidate, cands: list[Candidate]) -> tuple[list[str], list[str]
     return needed, optional
 
 
+def _savings_text(c: Candidate, cands: list[Candidate], others: str) -> str:
+    """``_savings`` as sentences; ``others`` says why the fitting alternatives lost."""
+    needed, optional = _savings(c, cands)
+    text = ""
+    if needed:
+        text += "It needs its memory savings: with " + ", or ".join(needed) + " it would not fit. "
+    if optional:
+        text += f"These would fit too {others}: " + ", ".join(optional) + ". "
+    if not needed and not optional:
+        text += "The plain setup fits, so no memory-saving technique is needed. "
+    return text
+
+
 def explain(best, runner, cands, budget, measured, timing=None) -> str:
     """One paragraph: why the winner won, from the numbers of the search."""
     if best is None:
@@ -459,13 +472,7 @@ def explain(best, runner, cands, budget, measured, timing=None) -> str:
     if best.measured_peak:
         text += f", measured {human_bytes(best.measured_peak)}"
     text += "). "
-    needed, optional = _savings(c, cands)
-    if needed:
-        text += "It needs its memory savings: with " + ", or ".join(needed) + " it would not fit. "
-    if optional:
-        text += "These would fit too but were slower or not timed: " + ", ".join(optional) + ". "
-    if not needed and not optional:
-        text += "The plain setup fits, so no memory-saving technique is needed. "
+    text += _savings_text(c, cands, "but were slower or not timed")
     if runner is not None:
         gap = 100 * (best.samples_per_s / runner.samples_per_s - 1)
         text += (
@@ -640,11 +647,4 @@ def explain_for_card(best, cands, card, usable: int, method: str) -> str:
         f"estimated peak is {human_bytes(best.estimated_peak)} "
         f"({100 * best.estimated_peak / usable:.0f}% of that). "
     )
-    needed, optional = _savings(best, cands)
-    if needed:
-        text += "It needs its memory savings: with " + ", or ".join(needed) + " it would not fit. "
-    if optional:
-        text += "These would fit too, predicted slower: " + ", ".join(optional) + ". "
-    if not needed and not optional:
-        text += "The plain setup fits, so no memory-saving technique is needed. "
-    return text
+    return text + _savings_text(best, cands, "predicted slower")
