@@ -123,7 +123,7 @@ PATHS = ("auto", "analytical", "traced")
 def _traced(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accum, device_type,
             frozen_16bit=False):  # fmt: skip
     """A traced forward and backward plus the optimizer's exact state and step (traced.py)."""
-    from helpers.estimator.traced import paper_layer_bytes, trace_step
+    from helpers.estimator.traced import trace_step
     from helpers.models import load_config
 
     config = load_config({k: v for k, v in info.config.items() if k != EXPERTS_KEY})
@@ -154,7 +154,7 @@ def _traced(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accu
         weight_copies=t.weight_copies,
         peak=peak,
         peak_at=where,
-        paper_layer_bytes=paper_layer_bytes(config, batch_size, seq_len),
+        paper_layer_bytes=_paper_layer_bytes(config, batch_size, seq_len),
         path="traced",
     )
 
@@ -207,9 +207,14 @@ def _first_layer(stages: list[Stage]) -> dict[str, int]:
     return layer
 
 
-def _paper_layer_bytes(config: dict, batch_size: int, seq_len: int) -> int:
-    """Korthikanti et al.'s activation bytes of one layer: s·b·h·(34 + 5as/h)."""
-    h, a = config["hidden_size"], config["num_attention_heads"]
+def _paper_layer_bytes(config, batch_size: int, seq_len: int) -> int:
+    """Korthikanti et al.'s activation bytes of one layer: s·b·h·(34 + 5as/h) (0 when a
+    config names no hidden size or heads; a transformers config's attribute map gives
+    GPT-2's n_embd as hidden_size)."""
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    h, a = get("hidden_size"), get("num_attention_heads")
+    if not h or not a:
+        return 0
     return 34 * seq_len * batch_size * h + 5 * a * seq_len * seq_len * batch_size
 
 

@@ -543,12 +543,3 @@ def _moves_within_cpu_skipped():
         yield
     finally:
         torch.nn.Module.to = original
-
-
-def paper_layer_bytes(config, batch_size: int, seq_len: int) -> int:
-    """Korthikanti et al.'s s·b·h·(34 + 5as/h) for one layer, where the config names h and a."""
-    h = getattr(config, "hidden_size", None)
-    a = getattr(config, "num_attention_heads", None)
-    if not h or not a:
-        return 0
-    return 34 * seq_len * batch_size * h + 5 * a * seq_len * seq_len * batch_size
