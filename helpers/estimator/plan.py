@@ -417,9 +417,10 @@ def _variant(cands: list[Candidate], c: Candidate, **changes) -> Candidate | Non
     return next((x for x in cands if all(getattr(x, k) == v for k, v in want.items())), None)
 
 
-def _savings(c: Candidate, cands: list[Candidate]) -> tuple[list[str], list[str]]:
+def _savings(c: Candidate, cands: list[Candidate]) -> tuple[list[str], list[str], list[str]]:
     """Each memory-saving choice of ``c`` against the same configuration without it: the
-    alternatives that would not fit (it needs the saving) and those that would."""
+    alternatives that would not fit (it needs the saving), those that would, and the plain
+    alternatives the search did not contain (not compared)."""
     plain = [  # (what c chose, its plain alternative, the change to it)
         (c.grad_accum > 1, "one micro-batch of the whole batch",
          {"micro_batch": c.micro_batch * c.grad_accum, "grad_accum": 1}),
@@ -427,24 +428,28 @@ def _savings(c: Candidate, cands: list[Candidate]) -> tuple[list[str], list[str]
         (c.optimizer != "adamw", "AdamW", {"optimizer": "adamw"}),
         (c.precision not in ("fp32", "tf32"), "fp32", {"precision": "fp32"}),
     ]  # fmt: skip
-    needed, optional = [], []
+    needed, optional, unsearched = [], [], []
     for chosen, name, change in plain:
         other = _variant(cands, c, **change) if chosen else None
         if other is not None:
             note = f"{name} ({human_bytes(other.estimated_peak)})"
             (optional if other.fits else needed).append(note)
-    return needed, optional
+        elif chosen:
+            unsearched.append(name)
+    return needed, optional, unsearched
 
 
 def _savings_text(c: Candidate, cands: list[Candidate], others: str) -> str:
     """``_savings`` as sentences; ``others`` says why the fitting alternatives lost."""
-    needed, optional = _savings(c, cands)
+    needed, optional, unsearched = _savings(c, cands)
     text = ""
     if needed:
         text += "It needs its memory savings: with " + ", or ".join(needed) + " it would not fit. "
     if optional:
         text += f"These would fit too {others}: " + ", ".join(optional) + ". "
-    if not needed and not optional:
+    if unsearched:  # e.g. only 16-bit precisions searched: no fp32 variant to compare with
+        text += "Not in the search, so not compared: " + ", ".join(unsearched) + ". "
+    elif not needed and not optional:
         text += "The plain setup fits, so no memory-saving technique is needed. "
     return text
 
