@@ -16,6 +16,7 @@ multiple of 512 bytes (``helpers.device.allocation_bytes``), so a 4-byte bias ta
 from __future__ import annotations
 
 import gc
+import re
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -96,6 +97,49 @@ class OffloadView:
     fetched: Callable[[], int] | None = None
 
 
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One change of the tracked device's bytes: what changed, when, and the totals after it."""
+
+    kind: str  # "add" (allocated), "del" (freed), "ref" (relabelled), "size" (resized)
+    tensor: int  # index in ``CategoryTracker.tensors`` of the storage concerned
+    nbytes: int  # that storage's bytes
+    category: str  # its category after the change
+    phase: str  # "forward", "backward", "optimizer step" or "outside" (between them)
+    micro: int  # micro-batch (1, 2, ...; 0 before the first forward)
+    module: str  # innermost module running ("" outside the model)
+    alive: tuple[int, ...]  # bytes alive per category after the change (``CATEGORIES`` order)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A storage the timeline saw created: its shape, dtype and where it was made."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    created: str  # "forward: model.layers.0.mlp", "optimizer step", ... or a parameter's name
+
+
+_LAYER_MODULE = re.compile(r"\.(?:layer|layers|h|blocks)\.\d+$")  # a transformer layer
+_IN_LAYER = re.compile(r"\.(?:layer|layers|h|blocks)\.\d+\.")  # a module inside one
+
+
+def innermost(parents) -> str:
+    """The module running now, from ModTracker's ``parents`` ("Global" outside the model).
+
+    In backward, torch's ModTracker can leave a finished layer's submodules (``self_attn``)
+    among the parents, never the finished layer itself: so when a layer is running, only its
+    own submodules count, and otherwise none inside any layer does.
+    """
+    layers = [p for p in parents if _LAYER_MODULE.search(p)]
+    if layers:
+        layer = max(layers, key=len)
+        inside = [p for p in parents if p == layer or p.startswith(layer + ".")]
+    else:
+        inside = [p for p in parents if p != "Global" and not _IN_LAYER.search(p)]
+    return max(inside, key=len, default="Global")
+
+
 def _walk_tensors(obj, depth: int = 3):
     """Tensors inside ``obj``: a tensor, or dicts, lists and tuples holding them."""
     if isinstance(obj, torch.Tensor):
@@ -131,7 +175,10 @@ class CategoryTracker(MemTracker):
     the graph of a forward that raised alive); ``oom_prefix`` goes in front of the budget's
     OutOfMemoryError message; ``offload`` (an ``OffloadView``) counts only what an offloading
     engine keeps on the compute device, fetched weights included (``device_peak``,
-    ``fetched_max``).
+    ``fetched_max``); ``timeline=True`` keeps a ``TimelineEvent`` per allocation, free or
+    relabelling of the tracked device (``events``; ``helpers.timeline`` turns them into the
+    step's per-category timeline, lesson 15). Recording reads the tracker's own running totals,
+    so it cannot change a peak; it slows a tracked step down a little (measured in lesson 15).
     """
 
     def __init__(
@@ -144,6 +191,7 @@ class CategoryTracker(MemTracker):
         offload: OffloadView | None = None,
         module_peaks: bool = True,
         cuda_storages: bool = False,
+        timeline: bool = False,
     ) -> None:
         super().__init__()
         self.budget = budget
@@ -165,6 +213,14 @@ class CategoryTracker(MemTracker):
         self.device_peak = 0  # offload: the largest device total, gathered weights included
         if not module_hooks:
             self._mod_tracker = _NoModuleHooks()
+        # timeline=True: one event per change of the tracked device's bytes (helpers.timeline).
+        self.events: list[TimelineEvent] | None = [] if timeline else None
+        self.peak_event = -1  # index in ``events`` of the moment of the largest total
+        self.failed_event = -1  # index in ``events`` of the allocation past the budget
+        self.micro = 0  # top-level forwards so far: the micro-batch running now
+        self.tensors: list[TensorInfo] = []  # timeline: every storage seen, by first sight
+        self._tensor_now: torch.Tensor | None = None  # the tensor being registered
+        self._names: dict[int, str] = {}  # id(parameter) -> its name, for ``tensors``
 
     # -- the offload view (lesson 08) ----------------------------------------------------------
 
@@ -179,9 +235,18 @@ class CategoryTracker(MemTracker):
     def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
         if self._skip(t):
             return set()
-        return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+        self._tensor_now = t
+        try:
+            return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+        finally:
+            self._tensor_now = None
 
     def _track_optimizer_states(self, reftype, optimizer) -> None:
+        if self.events is not None:  # the timeline names each state tensor by its parameter
+            for p, state in optimizer.state.items():
+                owner = self._names.get(id(p), "a parameter")
+                self._names.update((id(v), f"{k} of {owner}") for k, v in state.items()
+                                   if isinstance(v, torch.Tensor))  # fmt: skip
         if self.offload is None:
             return super()._track_optimizer_states(reftype, optimizer)
         # After each optimizer step: its state was created on the host, remember it.
@@ -211,6 +276,8 @@ class CategoryTracker(MemTracker):
             )
 
     def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        if self.events is not None:
+            self._names.update((id(p), n) for n, p in module.named_parameters())
         if install_grad_hooks:
             for p in module.parameters():
                 if not p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
@@ -234,11 +301,16 @@ class CategoryTracker(MemTracker):
             return
         if self.device is not None and winfo.device != self.device:
             return
+        before = self.max_total
         snap = self._update_maxima(winfo.device)
+        if self.events is not None:
+            self._record(u_type.name.lower(), winfo, snap, self.max_total > before)
         if snap is None:
             return
         total = snap["Total"]
         if self.budget is not None and total > self.budget and u_type.name in ("ADD", "SIZE"):
+            if self.events is not None:  # the timeline ends here, not after the unwinding
+                self.failed_event = len(self.events) - 1
             held = ", ".join(f"{n} {v / MiB:.1f} MiB" for n, v in self._named(snap).items() if v)
             raise torch.OutOfMemoryError(
                 f"{self.oom_prefix}memory budget exceeded: this step needs more than the "
@@ -247,6 +319,32 @@ class CategoryTracker(MemTracker):
                 "Use a smaller batch, gradient accumulation, checkpointing or 16-bit, or raise "
                 "the budget."
             )
+
+    def _record(self, kind: str, winfo, snap: dict | None, new_peak: bool) -> None:
+        """Append a ``TimelineEvent`` for this change (``timeline=True``)."""
+        if kind == "add":
+            winfo.course_id = len(self.tensors)
+            self.tensors.append(self._describe(self._tensor_now))
+        mt = self._mod_tracker
+        module = innermost(mt.parents)
+        phase = "optimizer step" if self._in_opt else "backward" if mt.is_bw else "forward"
+        if phase == "forward" and module == "Global":
+            phase, module = "outside", ""
+        alive = tuple(snap.get(k, 0) for k in CATEGORY) if snap else (0,) * len(CATEGORY)
+        self.events.append(TimelineEvent(
+            kind, getattr(winfo, "course_id", -1), winfo.mem_consumed, CATEGORY[winfo.reftype],
+            phase, self.micro, module, alive,
+        ))  # fmt: skip
+        if new_peak:
+            self.peak_event = len(self.events) - 1
+
+    def _describe(self, t: torch.Tensor | None) -> TensorInfo:
+        """Shape, dtype and origin of a storage being added (a parameter by its name)."""
+        if t is None:
+            return TensorInfo((), "", self._where())
+        name = self._names.get(id(t))
+        return TensorInfo(tuple(t.shape), str(t.dtype).removeprefix("torch."),
+                          name or self._where())  # fmt: skip
 
     def _update_maxima(self, device: torch.device) -> dict | None:
         """Raise each category's maximum and the total's to ``device``'s current snapshot."""
@@ -266,8 +364,7 @@ class CategoryTracker(MemTracker):
         if self._in_opt:
             return "optimizer step"
         mt = self._mod_tracker
-        inner = max(mt.parents, key=len, default="Global")
-        return f"{'backward' if mt.is_bw else 'forward'}: {inner}"
+        return f"{'backward' if mt.is_bw else 'forward'}: {innermost(mt.parents)}"
 
     @staticmethod
     def _named(snap: dict) -> dict[str, int]:
@@ -288,10 +385,12 @@ class CategoryTracker(MemTracker):
         # MemTracker refuses a second top-level forward of a module in one tracked region
         # (gradient accumulation runs several). We read only the category totals, never its
         # per-module statistics, so we clear those at each new top-level forward instead.
-        if not self._mod_tracker.is_bw and module in self.memory_tracking:
+        if not self._mod_tracker.is_bw:
             name = self._mod_tracker.get_known_fqn(module)
             if set(self._mod_tracker.parents) - {name} == {"Global"}:
-                self.reset_mod_stats()
+                self.micro += 1
+                if module in self.memory_tracking:
+                    self.reset_mod_stats()
         super()._pre_fw_hook(module, inputs)
 
     def _track(self, reftype, t: torch.Tensor) -> None:
@@ -300,7 +399,11 @@ class CategoryTracker(MemTracker):
         # Only __torch_dispatch__ calls _track, so OPT here means "allocated during step()".
         if self._force_temp or reftype == _MemRefType.OPT:
             reftype = _MemRefType.TEMP
-        super()._track(reftype, t)
+        self._tensor_now = t
+        try:
+            super()._track(reftype, t)
+        finally:
+            self._tensor_now = None
 
     def __enter__(self):
         # MemTracker's module hooks warn on every backward through a module that was freed;

@@ -227,3 +227,103 @@ def timeline(runs: Mapping[str, Mapping[str, Sequence[float]]], ylabel: str, tit
     legend_outside(axes[-1])
     fig.suptitle(title)
     return fig
+
+
+# Stacking order of a timeline: the floor (weights, buffers, optimizer state) first.
+TIMELINE_ORDER = ("params", "buffers", "optimizer_state", "gradients", "activations",
+                  "temporaries", "inputs")  # fmt: skip
+_PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer step": "opt"}
+
+
+def short_module(name: str) -> str:
+    """A module path without its top-level class: "model.layers.1.mlp" (the model: "model")."""
+    head, _, rest = name.partition(".")
+    return rest or ("model" if head and head[0].isupper() else head)
+
+
+def memory_timeline(measured, predicted=None, title: str = "", ax=None,
+                    budget: int | None = None) -> Figure:  # fmt: skip
+    """One step's bytes alive by category (stacked), phases marked, the peak annotated.
+
+    ``measured`` and ``predicted`` are ``helpers.timeline.Timeline``s; the prediction's total
+    is drawn over the measurement, each moment placed where the measured step ran the same
+    block (``helpers.timeline.align``). ``budget`` (bytes) is drawn as a line; a step stopped
+    by it is annotated where it stopped. With ``ax``, draws there and returns its figure.
+    """
+    from helpers.timeline import align
+
+    own = ax is None
+    fig = Figure(figsize=(9, 4), layout="constrained") if own else ax.figure
+    ax = fig.add_subplot() if own else ax
+    xs = range(len(measured.phase))
+    cats = [c for c in TIMELINE_ORDER if max(measured.alive.get(c, [0]), default=0) > 0]
+    ax.stackplot(xs, *[[v / MiB for v in measured.alive[c]] for c in cats], labels=cats,
+                 colors=[CATEGORY_COLORS[c] for c in cats], alpha=0.85, linewidth=0)  # fmt: skip
+    if predicted is not None:
+        px = align(predicted, measured)
+        ax.plot(px, [t / MiB for t in predicted.total], "k.--", linewidth=1, markersize=4,
+                label="predicted total")  # fmt: skip
+    _mark_phases(ax, measured)
+    if budget is not None:
+        ax.axhline(budget / MiB, color="#C44E52", linestyle="--", linewidth=1.2, label="budget")
+    i = len(measured.phase) - 1 if measured.error else measured.peak_index
+    where = measured.where[i]
+    first = "out of memory: needs" if measured.error else "peak"
+    text = f"{first} {measured.total[i] / MiB:.2f} MiB\n{measured.phase[i]}"
+    text += f": {short_module(where)}" if where else ""
+    ax.annotate(text, (i, measured.total[i] / MiB), xytext=(0.98, 0.97), textcoords="axes fraction",
+                ha="right", va="top", fontsize="small",
+                arrowprops={"arrowstyle": "->", "color": "black", "lw": 0.8})  # fmt: skip
+    top = max(measured.peak, predicted.peak if predicted else 0, budget or 0)
+    ax.set_ylim(0, 1.3 * top / MiB)
+    ax.set_xlim(0, max(1, len(measured.phase) - 1))
+    ax.set_xlabel("allocations and frees, in order")
+    ax.set_ylabel("MiB alive (exact, tracker)")
+    ax.set_title(title, pad=14)  # room for the phase names above the axes
+    if own:
+        legend_outside(ax)
+    return fig
+
+
+def _mark_phases(ax, t) -> None:
+    """Dotted lines where forward, backward and the optimizer step begin, named at the top."""
+    import matplotlib.transforms as mtransforms
+
+    top = mtransforms.blended_transform_factory(ax.transData, ax.transAxes)
+    micros = max(t.micro, default=1) > 1
+    for phase, micro, lo, hi in t.spans():
+        if phase not in _PHASE_SHORT:
+            continue
+        ax.axvline(lo, color="grey", linestyle=":", linewidth=0.8)
+        name = _PHASE_SHORT[phase] + (f" {micro}" if micros and phase != "optimizer step" else "")
+        ax.text((lo + hi) / 2, 1.01, name, transform=top, ha="center", va="bottom",
+                fontsize="x-small")  # fmt: skip
+
+
+def memory_timelines(panels: Mapping, ncols: int = 2, title: str = "",
+                     budget: int | None = None) -> Figure:  # fmt: skip
+    """A grid of ``memory_timeline`` panels: {title: (measured, predicted or None)}.
+
+    The panels share their MiB axis, so heights compare across them; ``budget`` is drawn in
+    each."""
+    n = len(panels)
+    nrows = -(-n // ncols)
+    fig = Figure(figsize=(5.2 * ncols + 1.8, 3.4 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True).ravel()
+    for ax, (name, (measured, predicted)) in zip(axes, panels.items(), strict=False):
+        memory_timeline(measured, predicted, title=name, ax=ax, budget=budget)
+    highest = max(max(m.total, default=0) for m, _ in panels.values())
+    highest = max([highest, budget or 0] + [max(p.total) for _, p in panels.values() if p])
+    for ax in axes[:n]:
+        ax.set_ylim(0, 1.3 * highest / MiB)  # room for the peak's note above every curve
+        if ax.get_subplotspec().colspan.start:
+            ax.set_ylabel("")
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    handles: dict = {}
+    for ax in axes[:n]:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize="small")
+    fig.suptitle(title)
+    return fig

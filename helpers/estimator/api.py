@@ -65,6 +65,34 @@ def estimate(
     return step
 
 
+def estimate_moments(
+    model,
+    batch_size: int,
+    seq_len: int,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    gradient_checkpointing: bool = False,
+    attn: str = "eager",
+    grad_accum: int = 1,
+    device=None,
+) -> tuple[Estimate, list]:
+    """The stage model's estimate and its walk through the step, moment by moment.
+
+    Lesson 15 draws the moments (``simulate.PredictedMoment``) over the tracker's measured
+    timeline. Only the analytical path walks the step in stages; other architectures raise
+    ValueError (their traced estimate is the tracker itself, run on fake tensors).
+    """
+    from helpers.device import resolve
+
+    _check_setting(precision, optimizer, attn, batch_size, seq_len, grad_accum)
+    info = describe_model(model, attn)
+    _choose_path(info, "analytical", precision, False)  # ValueError for a traced family
+    moments: list = []
+    est = _analytical(info, batch_size, seq_len, precision, optimizer, gradient_checkpointing,
+                      attn, grad_accum, resolve(device).type, moments)  # fmt: skip
+    return est, moments
+
+
 def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool) -> str:
     """ "analytical" or "traced" for ``estimate``'s ``path``; ValueError, saying why, if neither."""
     if path not in PATHS:
@@ -85,8 +113,9 @@ def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool) -> str
     return "analytical"
 
 
-def _analytical(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accum, device_type):
-    """The stage model's estimate (the module doc)."""
+def _analytical(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accum, device_type,
+                moments=None):  # fmt: skip
+    """The stage model's estimate (the module doc); ``moments`` receives the walk's moments."""
     z = _Shape(
         b=batch_size, s=seq_len, ea=PRECISION_BYTES[precision], amp=precision in AUTOCAST,
         dev=device_type,
@@ -99,7 +128,7 @@ def _analytical(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_
     state = _training_state(info, optimizer, device_type)
     base = state.params + state.buffers + state.optimizer_state
     act, temp, copies, peak, where = _simulate(
-        stages, base, state.gradients, grad_accum > 1, state.step_temporaries
+        stages, base, state.gradients, grad_accum > 1, state.step_temporaries, moments
     )
     return Estimate(
         n_params=info.n_params,

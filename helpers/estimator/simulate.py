@@ -39,25 +39,46 @@ class _Walk:
     copies: int = 0
     peak: int = 0
     where: str = ""
+    moments: list[PredictedMoment] | None = None  # every moment, when asked for (timeline)
+    base: int = 0  # bytes of the model state under every moment (weights, buffers, state)
 
-    def seen(self, total: int, label: str) -> None:
+    def seen(self, total: int, label: str, grads: int = 0, acts: int = 0, temps: int = 0) -> None:
         """Note a moment's total bytes; the first moment of a new maximum names the peak."""
         if total > self.peak:
             self.peak, self.where = total, label
+        if self.moments is not None:
+            self.moments.append(PredictedMoment(label, self.base, grads, acts, temps, total))
 
 
-def _simulate(stages: list[Stage], base: int, grads_all: int, accumulate: bool, opt_temp: int):
-    """Walk forward, backward and the optimizer step; return category maxima and the peak."""
-    walk = _Walk()
+@dataclass(frozen=True)
+class PredictedMoment:
+    """One moment of the simulated step: its label and the bytes alive by category."""
+
+    label: str  # "forward: L0.attn", "backward: head", "optimizer step"
+    state: int  # parameters, buffers and optimizer state
+    gradients: int
+    activations: int
+    temporaries: int  # autocast copies and gradient temporaries, or the optimizer's scratch
+    total: int
+
+
+def _simulate(
+    stages: list[Stage], base: int, grads_all: int, accumulate: bool, opt_temp: int,
+    moments: list[PredictedMoment] | None = None,
+):  # fmt: skip
+    """Walk forward, backward and the optimizer step; return category maxima and the peak.
+
+    ``moments``: a list that receives every moment of the walk (``helpers.timeline``)."""
+    walk = _Walk(moments=moments, base=base)
     grads0 = grads_all if accumulate else 0  # later micro-batches find every gradient there
-    kept = _forward(stages, walk, base + grads0)
+    kept = _forward(stages, walk, base + grads0, grads0)
     _backward(stages, walk, base, grads0, kept, accumulate)
     walk.temporaries = max(walk.temporaries, opt_temp)
-    walk.seen(base + grads_all + opt_temp, "optimizer step")
+    walk.seen(base + grads_all + opt_temp, "optimizer step", grads_all, 0, opt_temp)
     return walk.activations, walk.temporaries, walk.copies, walk.peak, walk.where
 
 
-def _forward(stages: list[Stage], walk: _Walk, floor: int) -> int:
+def _forward(stages: list[Stage], walk: _Walk, floor: int, grads: int = 0) -> int:
     """The forward pass, stage by stage; returns the activation bytes kept for backward.
 
     Saved tensors pile up; checkpointed layers keep their input only (and free their
@@ -75,7 +96,7 @@ def _forward(stages: list[Stage], walk: _Walk, floor: int) -> int:
         copies += st.copies
         walk.activations = max(walk.activations, here)
         walk.copies = max(walk.copies, copies)
-        walk.seen(floor + here + copies, f"forward: {st.name}")
+        walk.seen(floor + here + copies, f"forward: {st.name}", grads, here, copies)
         kept += st.checkpoint_input if st.region is not None else full
         fwd_only += sum(st.forward_only.values())
     walk.temporaries = max(walk.temporaries, copies)
@@ -102,7 +123,9 @@ def _backward(stages: list[Stage], walk: _Walk, base: int, grads: int, act: int,
             done = 0 if accumulate else mom.grads_done
             temp = copies - mom.copies_released + mom.temp + rtemp + pending
             walk.temporaries = max(walk.temporaries, temp)
-            walk.seen(base + grads + done + act - mom.released + temp, f"backward: {st.name}")
+            alive = act - mom.released
+            walk.seen(base + grads + done + alive + temp, f"backward: {st.name}",
+                      grads + done, alive, temp)  # fmt: skip
         act -= sum(st.saved.values()) - rtemp
         if st.region is not None and not st.input_in_saved:
             act -= st.checkpoint_input
