@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -311,6 +312,73 @@ def cuda_context_bytes() -> int | None:
     torch.zeros(1, device=device)  # creating the first tensor creates the context
     torch.cuda.synchronize(device)
     return nvml_used_bytes(device) - before - torch.cuda.memory_reserved(device)
+
+
+# --------------------------------------------------------------------------------------------
+# The allocator's memory history: a CUDA memory snapshot for https://pytorch.org/memory_viz
+
+MEMORY_VIZ = "https://pytorch.org/memory_viz"  # drag a snapshot .pickle onto this page
+
+
+class MemorySnapshotUnsupported(RuntimeError):
+    """No CUDA memory snapshot here; the message is the lesson's "skipped: ..." line."""
+
+
+def memory_snapshot_supported(device, path: str | os.PathLike | None = None) -> tuple[bool, str]:
+    """``(True, "")`` where the CUDA allocator can record its history, else ``(False, why)``.
+
+    ``why`` is a whole line a lesson can print: what is missing, what the recording would
+    write (``path``) and where the file is opened.
+    """
+    what = f"writes {os.fspath(path)}" if path is not None else "writes a snapshot .pickle"
+    dev = torch.device(device)
+    if not is_cuda(dev):
+        need = f"needs a CUDA GPU (this machine runs on {dev.type})"
+    elif not cuda_available():
+        build = torch.version.cuda or torch.version.hip
+        found = f"has CUDA {build} but finds no GPU" if build else "is built without CUDA"
+        need = f"needs a CUDA GPU (torch {torch.__version__} {found})"
+    else:
+        return True, ""
+    return False, f"skipped: {need}; on a GPU this {what}, open it at {MEMORY_VIZ}"
+
+
+@contextlib.contextmanager
+def record_memory_history(
+    device, path: str | os.PathLike, max_entries: int = 100_000, stacks: str = "python"
+):
+    """Record every CUDA allocation and free in the block; on leaving, dump them to ``path``.
+
+    The recipe of PyTorch's "Understanding CUDA Memory Usage" page: turn the allocator's
+    history on (``torch.cuda.memory._record_memory_history(enabled="all")``: every alloc and
+    free, each with the Python stack that made it), run the code, write the snapshot
+    (``_dump_snapshot``: a pickle of ``_snapshot()``'s dict, the segments the allocator holds
+    and ``device_traces``, the last ``max_entries`` events of each device), then turn it off.
+    The snapshot is written however the block ends, before recording stops (stopping clears
+    the history): after an ``OutOfMemoryError`` it holds the allocations that filled the card
+    and the failed request (an "oom" entry), the picture needed to debug it; the error is
+    raised again afterwards. Recording stops even if writing the file fails.
+
+    The history covers every CUDA device of the process and initialises CUDA if it is not yet
+    (the binding does), so run it in the process that trains. ``stacks="all"`` adds C++
+    frames, which make the dump slower to symbolise; Python frames are what a learner reads.
+    On a device that is not a CUDA GPU it raises ``MemorySnapshotUnsupported``, whose message
+    is the "skipped: ..." line of ``memory_snapshot_supported``. Yields ``path`` as a Path.
+    """
+    ok, why = memory_snapshot_supported(device, path)
+    if not ok:
+        raise MemorySnapshotUnsupported(why)
+    target = Path(path)
+    torch.cuda.memory._record_memory_history(
+        enabled="all", stacks=stacks, max_entries=max_entries, device=resolve(device)
+    )
+    try:
+        yield target
+    finally:
+        try:
+            torch.cuda.memory._dump_snapshot(str(target))
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
 
 
 # --------------------------------------------------------------------------------------------

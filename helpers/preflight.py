@@ -123,6 +123,48 @@ def _cuda_context(device: str) -> str:
     return f"{context / MiB:.0f} MiB before the first tensor"
 
 
+def _snapshot_workload(d: torch.device) -> None:
+    """A few allocations and frees for the snapshot check to record."""
+    x = torch.ones(1024, 1024, device=d) * 2
+    del x
+
+
+def _memory_snapshot(device: str) -> str:
+    import pickle
+    import tempfile
+    from pathlib import Path
+
+    d = dev.resolve(device)
+    ok, why = dev.memory_snapshot_supported(d)
+    if not ok:
+        return why  # "skipped: needs a CUDA GPU ..."
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "snapshot.pickle"
+        with dev.record_memory_history(d, path):
+            _snapshot_workload(d)
+        traces = pickle.loads(path.read_bytes()).get("device_traces", [])
+        actions = sum(len(t) for t in traces)
+        if not actions:
+            raise RuntimeError("the snapshot recorded no allocation")
+        return f"snapshot with {actions} allocator events, {path.stat().st_size / 1024:.0f} KiB"
+
+
+def _profiler_trace(device: str) -> str:
+    import tempfile
+    from pathlib import Path
+
+    from helpers.profiling import profile_step
+    from helpers.train import RunConfig, Trainee
+
+    trainee = Trainee(RunConfig(device=device))
+    with tempfile.TemporaryDirectory() as folder:
+        result = profile_step(trainee.step, trainee.device, Path(folder) / "step.json")
+    track = result.memory.get(result.device)
+    if track is None or not track.events:
+        raise RuntimeError("the trace has no memory events")
+    return f"{result.n_events} trace events, {track.events} memory events"
+
+
 def _train_steps(device: str, precision: str, optimizer: str = "adamw", steps: int = 3) -> float:
     from helpers.train import RunConfig, Trainee
 
@@ -251,14 +293,16 @@ CHECKS: list[tuple[str, tuple[str, ...], object, dict]] = [
     ("allocator view", ("00", "02", "08", "10", "14"), _allocator_view, {}),
     ("NVML view", ("00", "08", "11", "14"), _nvml_view, {}),
     ("CUDA context", ("00",), _cuda_context, {}),
-    ("fp16 + GradScaler", ("01", "05", "07", "14"), _fp16, {}),
-    ("bf16", ("01", "05", "07", "10", "14"), _bf16, {}),
+    ("fp16 + GradScaler", ("01", "05", "07", "14", "15"), _fp16, {}),
+    ("bf16", ("01", "05", "07", "10", "14", "15"), _bf16, {}),
     ("tf32", ("05",), _tf32, {}),
     *(
         (f"SDPA {b}", ("10",), _sdpa, {"backend": f"sdpa-{b}"})
         for b in ("math", "efficient", "flash", "cudnn")
     ),
-    ("8-bit AdamW", ("06", "07", "14"), _adamw8bit, {}),
+    ("8-bit AdamW", ("06", "07", "14", "15"), _adamw8bit, {}),
+    ("profiler trace", ("15",), _profiler_trace, {}),
+    ("CUDA memory snapshot", ("15",), _memory_snapshot, {}),
     ("DeepSpeed CPU offload", ("08",), _deepspeed, {}),
     ("torch.compile", ("12",), _compile, {}),
     ("DataLoader workers", ("11",), _dataloader, {}),

@@ -17,6 +17,11 @@ torch's sources in site-packages and NVIDIA's documentation:
 - the caching allocator: allocated and reserved bytes with peaks, blocks rounded to 512 B,
   ``empty_cache`` releasing unused reserve, and an out-of-memory error when reserving would
   pass ``fraction x total``;
+- the allocator's memory history (``torch.cuda.memory._record_memory_history``,
+  ``_snapshot``, ``_dump_snapshot``): the binding's argument checks, a ring buffer of
+  ``max_entries`` trace entries (alloc, free_requested, free_completed, segment_alloc, oom)
+  that disabling clears, as the C++ allocator's ``recordHistory`` does, and a snapshot dict
+  with ``segments`` and one trace list per device;
 - NVML: physical numbering independent of ``CUDA_VISIBLE_DEVICES`` (plain indices, UUIDs,
   MIG UUIDs), MIG slices under a parent in MIG mode, per-query errors such as
   ``NoPermission`` (a MIG parent's memory query as an unprivileged user; every query in the
@@ -29,6 +34,7 @@ moves the fake allocator, ``gpu.fraction`` shows the cap that was set.
 
 from __future__ import annotations
 
+import collections
 import os
 import types
 from dataclasses import dataclass, field
@@ -157,6 +163,9 @@ class FakeGpu:
         self.mig_reports_parent_uuid = mig_reports_parent_uuid
         self.synced: list[int] = []
         self.events: list[str] = []  # calls in order, for tests that check an order
+        self.history: collections.deque | None = None  # trace entries while recording
+        self._next_addr = 0x7F0000000000  # where the next block starts (a device pointer)
+        self._live: dict[tuple[int, int], list[int]] = {}  # (device, size) -> block addresses
         if visible is not None:
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         self._install_torch()
@@ -217,6 +226,8 @@ class FakeGpu:
             "_cuda_memoryStats": lambda i: self.alloc[i].stats(),
             "_cuda_resetPeakMemoryStats": self._reset_peaks,
             "_cuda_emptyCache": self._empty_cache,
+            "_cuda_record_memory_history": self._record_history,
+            "_cuda_memorySnapshot": self._memory_snapshot,
             "_accelerator_getAccelerator": lambda: torch.device("cuda"),
             "_accelerator_getDeviceIndex": lambda: self.current,
             "_accelerator_setDeviceIndex": self._set_device,
@@ -264,20 +275,81 @@ class FakeGpu:
         if a.allocated + size > a.reserved:
             need = a.allocated + size
             if need > a.fraction * a.total:
+                free = int(a.fraction * a.total) - a.reserved
+                self._trace("oom", size, index, device_free=free)
                 raise torch.OutOfMemoryError(
                     f"CUDA out of memory. Tried to allocate {size / 2**20:.2f} MiB. GPU {index} "
                     f"has a total capacity of {a.total / GiB:.2f} GiB; this process's limit "
                     f"is {a.fraction * a.total / GiB:.2f} GiB (set_per_process_memory_fraction)"
                 )
+            self._trace("segment_alloc", need - a.reserved, index, addr=self._next_addr)
             a.reserved = need
         a.allocated += size
         a.peak_allocated = max(a.peak_allocated, a.allocated)
         a.peak_reserved = max(a.peak_reserved, a.reserved)
+        addr, self._next_addr = self._next_addr, self._next_addr + size
+        self._live.setdefault((index, size), []).append(addr)
+        self._trace("alloc", size, index, addr=addr)
         return size
 
     def free(self, nbytes: int, index: int = 0) -> None:
         """Free a block: allocated falls, the reserve stays cached."""
-        self.alloc[index].allocated -= -(-nbytes // 512) * 512
+        size = -(-nbytes // 512) * 512
+        self.alloc[index].allocated -= size
+        addr = self._live[(index, size)].pop()
+        self._trace("free_requested", size, index, addr=addr)
+        self._trace("free_completed", size, index, addr=addr)
+
+    # -- the allocator's memory history (torch.cuda.memory._record_memory_history) ----------
+
+    def _record_history(
+        self,
+        enabled,
+        context,
+        stacks,
+        max_entries,
+        clear_history,
+        compile_context,
+        global_record_annotations,
+        skip_actions,
+    ) -> None:
+        """torch/csrc/cuda/memory_snapshot.cpp's binding: its checks, then recordHistory."""
+        if enabled not in (None, "state", "all"):
+            raise RuntimeError("expected state to be 'state', 'all', or None")
+        if context not in (None, "state", "alloc", "all"):
+            raise RuntimeError("expected context to be 'state', 'alloc', 'all', or None")
+        if stacks not in ("python", "all"):
+            raise RuntimeError("expected stacks to be 'python', or 'all'")
+        self.events.append(
+            f"record history {enabled} context={context} stacks={stacks} max_entries={max_entries}"
+        )
+        if enabled is None:  # the C++ allocator clears its buffer when recording stops
+            self.history = None
+        elif self.history is None or clear_history or self.history.maxlen != max_entries:
+            kept = [] if self.history is None or clear_history else list(self.history)
+            self.history = collections.deque(kept, maxlen=max_entries)
+
+    def _trace(self, action: str, size: int, index: int, addr: int | None = None, **extra):
+        """One TraceEntry while recording (an OOM has no address; it says what was free)."""
+        if self.history is None:
+            return
+        entry = {"action": action, "size": size, "stream": 0, "frames": [], "device": index}
+        if addr is not None:
+            entry["addr"] = addr
+        self.history.append({**entry, **extra})
+
+    def _memory_snapshot(self, _mempool=None) -> dict:
+        """What ``torch._C._cuda_memorySnapshot`` returns: segments and per-device traces."""
+        self.events.append("snapshot")
+        traces = [[] for _ in self.visible]
+        for entry in self.history or ():
+            traces[entry["device"]].append({k: v for k, v in entry.items() if k != "device"})
+        segments = [
+            {"device": i, "address": 0, "total_size": a.reserved, "allocated_size": a.allocated,
+             "active_size": a.allocated, "segment_type": "large", "stream": 0, "blocks": []}
+            for i, a in enumerate(self.alloc) if a.reserved
+        ]  # fmt: skip
+        return {"segments": segments, "device_traces": traces, "allocator_settings": {}}
 
     @property
     def fraction(self) -> float:

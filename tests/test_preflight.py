@@ -30,7 +30,9 @@ def test_an_h100_runs_every_check(monkeypatch):
 
 
 def test_every_check_names_the_lessons_that_need_it():
-    lessons = {f"{i:02d}" for i in range(15)}
+    from helpers.fullscale import LESSONS
+
+    lessons = set(LESSONS)
     for name, needed_by, fn, _ in CHECKS:
         assert needed_by and set(needed_by) <= lessons, name
         assert callable(fn)
@@ -48,3 +50,20 @@ def test_the_table_shows_every_check_and_counts_failures():
     for name in ("budget cap", "bf16", "torch.compile", "00 1.5 min", "06 2.0 h"):
         assert name in text
     assert result.failed == [result.checks[2]] and "1 of 3 checks fail" in text
+
+
+def test_the_snapshot_check_reads_back_what_the_allocator_recorded(monkeypatch):
+    # The real check on a fake T4: torch's recording functions run above the fake binding;
+    # the workload's tensors cannot exist without a GPU, so the fake allocator moves instead.
+    from helpers import preflight
+
+    gpu = FakeGpu(monkeypatch, [PROFILES["t4"]])
+
+    def workload(d):
+        gpu.allocate(4 * 1024 * 1024)
+        gpu.free(4 * 1024 * 1024)
+
+    monkeypatch.setattr(preflight, "_snapshot_workload", workload)
+    result = preflight._memory_snapshot("cuda:0")
+    assert result.startswith("snapshot with 4 allocator events"), result
+    assert gpu.history is None  # recording is off again
