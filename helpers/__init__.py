@@ -7,8 +7,9 @@ Core machinery, flat: ``lesson`` (a notebook's opening line: ``L = lesson("05")`
 training step ``train_step`` with its switches, ``measure``), ``isolate``, ``results``,
 ``plots``; the estimator and planner (the subpackage
 ``estimator``: model, state, stages, encoder, decoder, simulate, api, plan), what each lesson
-runs at the full scale (``fullscale``), the host's ``preflight`` and
-the command line (``cli``: ``python -m helpers ...``). The lessons' own machinery lives in
+runs at the full scale (``fullscale``), the host's ``preflight``, the command line (``cli``:
+``python -m helpers ...``) and the memory calculator for JupyterLab (``calculator``: call
+``helpers.calculator()``; imported on first use). The lessons' own machinery lives in
 ``helpers.lessons``, one module per notebook, named like it (``helpers.lessons.data_loading``
 for ``notebooks/11_data_loading.ipynb``).
 
@@ -17,3 +18,12 @@ files, no global settings.
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``helpers.calculator``, imported on first use: ``import helpers`` stays cheap."""
+    if name == "calculator":
+        import importlib
+
+        return importlib.import_module("helpers.calculator")
+    raise AttributeError(f"module 'helpers' has no attribute {name!r}")

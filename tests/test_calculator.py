@@ -1,0 +1,170 @@
+"""The memory calculator (helpers/calculator.py): its table, its live widgets, errors, figure.
+
+The widgets are driven as a front end would: a control's ``.value`` is set, the Suggest
+button is clicked. ipywidgets works without a kernel (its messages go nowhere), so this runs
+in plain pytest, on the CPU, in a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers.calculator import (
+    CATEGORIES,
+    INSTALL_HINT,
+    WIDGET_MIME,
+    Calculator,
+    CalculatorSetting,
+    StaticCalculator,
+    calculator,
+    calculator_figure,
+    evaluate,
+)
+from helpers.estimator import estimate
+from helpers.scale import config_path
+from tests.plot_checks import figure_problems
+
+
+def test_importing_helpers_stays_cheap_and_the_calculator_is_callable():
+    code = (
+        "import sys, helpers; "
+        "assert not {'ipywidgets', 'matplotlib', 'torch'} & set(sys.modules), sys.modules.keys(); "
+        "assert callable(helpers.calculator); import helpers.calculator as c; "
+        "assert helpers.calculator is c and 'ipywidgets' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_static_table_shows_every_category_and_the_estimators_numbers():
+    shown = calculator("llama-tiny", batch_size=2, seq_len=64, precision="bf16", card="l4",
+                       interactive=False)  # fmt: skip
+    assert isinstance(shown, StaticCalculator)
+    assert shown.estimate == estimate("llama-tiny", 2, 64, "bf16", device="cuda")
+    page, text = shown._repr_html_(), repr(shown)
+    for cat in CATEGORIES:
+        assert cat.replace("_", " ") in page and cat.replace("_", " ") in text
+    assert f"{shown.estimate.peak:,}" in page and "L4 usable" in text
+    assert "fits: " in text and INSTALL_HINT not in text
+
+
+def test_outside_a_kernel_the_default_is_the_static_table():
+    assert isinstance(calculator(), StaticCalculator)
+
+
+def test_the_widget_carries_its_view_and_the_static_table():
+    calc = calculator(interactive=True)
+    assert isinstance(calc, Calculator)
+    bundle = calc._repr_mimebundle_()
+    assert WIDGET_MIME in bundle and "model_id" in bundle[WIDGET_MIME]
+    assert "<table>" in bundle["text/html"] and "peak" in bundle["text/plain"]
+    assert calc.estimate == estimate("llama-tiny", 4, 256, device="cuda")
+    assert calc.plot.outputs[0]["data"]["image/png"]  # the figure, drawn
+
+
+def test_changing_a_control_updates_the_estimate_and_the_verdict():
+    calc = calculator(interactive=True, batch_size=1)
+    before, verdict = calc.estimate, calc.verdict.value
+    calc.controls["batch_size"].value = 8
+    assert calc.estimate.activations > before.activations
+    assert calc.estimate == estimate("llama-tiny", 8, 256, device="cuda")
+    assert calc.verdict.value != verdict and "fits" in calc.verdict.value
+    calc.controls["card"].value = "h100"
+    assert "H100" in calc.verdict.value and "H100" in calc.figure.axes[1].get_title()
+
+
+def test_a_big_model_on_a_small_card_does_not_fit():
+    calc = calculator("llama-7b", seq_len=512, interactive=True)
+    assert "does not fit" in calc.verdict.value and calc.result.fits is False
+
+
+@pytest.mark.parametrize(
+    "control, value, message",
+    [
+        ("seq_len", 5000, "exceeds max_position_embeddings (1024)"),
+        ("config_path", "no/such/config.json", "no config file no/such/config.json"),
+        ("qlora", True, "QLoRA trains LoRA adapters"),
+        ("batch_size", 0, "must be positive"),
+    ],
+)
+def test_a_setting_the_estimator_refuses_is_one_red_line(control, value, message):
+    calc = calculator(interactive=True)
+    calc.controls[control].value = value  # does not raise
+    assert calc.estimate is None and message in calc.error
+    assert message in calc.verdict.value and "color:#b00020" in calc.verdict.value
+    assert calc.plot.outputs == () and calc.figure is None
+    assert message in calc._repr_mimebundle_()["text/html"]
+    calc.controls["config_path"].value = ""
+    calc.controls["qlora"].value = False
+    calc.controls["seq_len"].value, calc.controls["batch_size"].value = 256, 4
+    assert calc.estimate is not None and calc.error == ""
+
+
+def test_a_config_path_typed_in_overrides_the_model_list(tmp_path):
+    data = json.loads(config_path("llama-tiny").read_text())
+    data["num_hidden_layers"] = 4
+    path = tmp_path / "deeper.json"
+    path.write_text(json.dumps(data))
+    calc = calculator(interactive=True)
+    calc.controls["config_path"].value = str(path)
+    assert calc.controls["model"].disabled
+    assert calc.estimate == estimate(str(path), 4, 256, device="cuda")
+
+
+def test_suggest_names_the_fastest_setup_that_fits():
+    calc = calculator("llama-tiny", card="t4", interactive=True)
+    calc.suggest_button.click()
+    best = calc.plan.best
+    assert best is not None and best.label in calc.suggestion.value
+    assert calc.plan.reason.split(":")[0] in calc.suggestion.value
+    calc.controls["batch_size"].value = 2  # the suggestion was for another setup
+    assert calc.plan is None and "ask again" in calc.suggestion.value
+
+
+def test_suggest_on_a_refused_setting_is_one_red_line():
+    calc = calculator(interactive=True)
+    calc.controls["seq_len"].value = 5000
+    calc.suggest_button.click()
+    assert "max_position_embeddings" in calc.suggestion.value and not calc.suggest_button.disabled
+
+
+def test_without_ipywidgets_the_static_table_says_how_to_get_widgets(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # import ipywidgets: ImportError
+    shown = calculator(interactive=True)
+    assert isinstance(shown, StaticCalculator) and shown.estimate is not None
+    assert INSTALL_HINT in shown._repr_html_() and INSTALL_HINT in repr(shown)
+
+
+def test_an_unknown_card_names_the_cards():
+    with pytest.raises(ValueError, match=r"unknown card 'a100'.*t4"):
+        calculator(card="a100", interactive=False)
+
+
+def test_a_card_without_bf16_says_so():
+    result = evaluate(CalculatorSetting(precision="bf16", card="t4"))
+    assert "cannot train in bf16" in result.verdict and "7.5" in result.verdict
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        CalculatorSetting(),  # a sliver of the card
+        CalculatorSetting(model="bert-large", seq_len=512),  # close to the card
+        CalculatorSetting(model="llama-7b", seq_len=512),  # far over it
+        CalculatorSetting(model="gpt2-tiny", lora_r=8, card="a100-mig"),  # traced, longest name
+    ],
+    ids=["sliver", "close", "over", "traced-mig"],
+)
+def test_the_calculator_figure_reads_cleanly(setting):
+    result = evaluate(setting)
+    fig = calculator_figure(result)
+    assert figure_problems(fig) == []
+    assert len(fig.axes[1].lines) == 2  # the card's usable and total memory
+
+
+def test_the_widgets_figure_reads_cleanly():
+    calc = calculator(interactive=True)
+    assert figure_problems(calc.figure) == []
