@@ -209,6 +209,7 @@ format: $(ENV_READY)
 clean:
 	rm -rf build results .pytest_cache .ruff_cache *.egg-info notebooks/.ipynb_checkpoints
 	rm -f notebooks/*.jsonl
+	rm -rf notebooks/traces
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean

@@ -46,7 +46,7 @@ REFERENCE_CARDS = {
     "a100-mig": GpuInfo("NVIDIA A100-SXM4-80GB MIG 1g.10gb", 10_468_982_784, (8, 0), 14, ""),
 }
 LONG_SEQS = (2048, 1024, 512)  # lesson 10's whole-model sequence lengths, longest first
-LESSONS = tuple(f"{i:02d}" for i in range(15))
+LESSONS = tuple(f"{i:02d}" for i in range(16))
 
 
 @dataclass(frozen=True)
@@ -368,6 +368,25 @@ def _lesson_14(x: _Lesson) -> None:
           may_fail=True, depends=("budget",))  # fmt: skip
 
 
+def _lesson_15(x: _Lesson) -> None:
+    s = x.scale
+    for model in (s.encoder, s.decoder):  # section 2's grid, each step tracked
+        for p in ("fp32", x.half):
+            for gc in (False, True):
+                x.run(f"timeline {model} {p}{' ckpt' if gc else ''}", model, s.batch_size,
+                      s.seq_len, precision=p, gc=gc, steps=2)  # fmt: skip
+    d, b = s.decoder, s.batch_size
+    x.run("timeline overhead", d, b, s.seq_len, steps=12)
+    x.run("accumulation", d, max(1, b // 2), s.seq_len, ga=2, steps=2)
+    x.run("8-bit AdamW", d, b, s.seq_len, optimizer="adamw8bit", steps=2)
+    x.run("profiled step", d, b, s.seq_len, steps=2)
+    x.run("memory snapshot", d, b, s.seq_len, steps=2)
+    # The OOM section's budget is the tracker's (no allocator cap): the failing step stops at
+    # 90 % of the plain step's peak, the checkpointed one stays under it.
+    x.run("checkpointing under the 90 % budget", d, b, s.seq_len, gc=True, steps=2)
+    x.run("try it: half the sequence", d, b, max(1, s.seq_len // 2), steps=2)
+
+
 # --------------------------------------------------------------------------------------------
 # Fitting the scale to a card
 
@@ -458,6 +477,7 @@ def _skips(lesson: str, card: GpuInfo) -> list[str]:
         "10": ["flash attention and bf16 (compute capability < 8.0)"] if old else [],
         "11": ["GPU utilisation (NVML has none for a MIG slice)"] if card.mig else [],
         "14": ["bf16 (fp16 used)"] if old else [],
+        "15": ["bf16 (fp16 used)"] if old else [],
     }
     return skips.get(lesson, [])
 

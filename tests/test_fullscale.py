@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers.device import GpuInfo
-from helpers.fullscale import fit_scale, fit_table, lesson_experiments, lesson_flops
+from helpers.fullscale import LESSONS, fit_scale, fit_table, lesson_experiments, lesson_flops
 from helpers.names import GiB
 from helpers.scale import FULL, TINY, get_scale
 from tests.fake_gpu import CARDS, PROFILES, FakeGpu
@@ -100,7 +100,7 @@ def test_cli_fit_on_a_gpu_prints_the_card_and_every_lesson(monkeypatch, capsys):
     assert main(["fit"]) == 0
     out = capsys.readouterr().out
     assert "fitted to L4" in out or "fitted to NVIDIA L4" in out
-    assert sum(line[:2].isdigit() for line in out.splitlines()) == 15
+    assert sum(line[:2].isdigit() for line in out.splitlines()) == len(LESSONS)
 
 
 def test_readme_shows_the_current_fit_table():
