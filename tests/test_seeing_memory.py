@@ -1,0 +1,69 @@
+"""Lesson 15's own machinery (helpers.lessons.seeing_memory), as the notebook uses it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from helpers.lessons.seeing_memory import (
+    GRID,
+    REMEDIES,
+    fix_for,
+    grid_config,
+    growth,
+    largest_rows,
+    peak_match,
+    remedy,
+    short_where,
+)
+from helpers.memory import CATEGORIES
+from helpers.timeline import measure_timeline, predicted_timeline
+from helpers.train import RunConfig
+
+BASE = RunConfig(model="llama-tiny", batch_size=2, seq_len=32, repeats=1, flops=False)
+
+
+def test_grid_settings_use_the_devices_16_bit_format():
+    cfgs = {name: grid_config(BASE, s, "fp16") for name, s in GRID.items()}
+    assert cfgs["fp32"] == BASE
+    assert cfgs["16-bit + checkpointing"].precision == "fp16"
+    assert cfgs["16-bit + checkpointing"].gradient_checkpointing
+
+
+@pytest.mark.parametrize("setting", list(GRID))
+def test_the_predicted_peak_is_the_measured_moment(setting):
+    cfg = grid_config(BASE, GRID[setting], "bf16")
+    m = peak_match(measure_timeline(cfg, isolate=False), predicted_timeline(cfg))
+    assert abs(m.error) < 0.10 and m.same_phase
+    assert m.measured_near_predicted >= 0.9 * m.measured
+
+
+@pytest.mark.parametrize(("batch", "seq", "grew"), [(4, 64, "activations"), (1, 16, "gradients")])
+def test_an_oom_names_what_grew_and_its_fix_fits(batch, seq, grew):
+    # A large micro-batch fails while activations pile up (checkpointing fixes it); a small one
+    # peaks in the optimizer step, where every gradient is alive and checkpointing cannot help.
+    base = replace(BASE, batch_size=batch, seq_len=seq)
+    plain = measure_timeline(base, isolate=False)
+    budget = int(0.9 * plain.peak)
+    failed = measure_timeline(replace(base, budget=budget), isolate=False)
+    g = growth(failed, len(failed.phase) - 1)
+    assert failed.error and max(g, key=g.get) == grew
+    name, fixed_cfg = fix_for(replace(base, budget=budget), grew)
+    fixed = measure_timeline(fixed_cfg, isolate=False)
+    assert not fixed.error and fixed.peak <= budget, name
+    rows = largest_rows(failed, 3)
+    assert len(rows) == 3 and rows[0]["MiB"] >= rows[-1]["MiB"]
+
+
+def test_every_category_has_advice():
+    assert set(REMEDIES) == set(CATEGORIES)
+    assert "checkpointing" in remedy("activations")
+
+
+def test_short_where_drops_the_model_class():
+    assert short_where("backward: LlamaForCausalLM.model.layers.0.mlp") == (
+        "backward: model.layers.0.mlp"
+    )
+    assert short_where("optimizer step") == "optimizer step"
+    assert short_where("model.embed_tokens.weight") == "model.embed_tokens.weight"
