@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,9 +115,12 @@ def profile_step(
         step()
     synchronize(dev)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda(dev) else [])
-    with profile(
-        activities=activities, profile_memory=True, record_shapes=True, with_stack=False
-    ) as prof:
+    with (
+        _quiet_kineto(),
+        profile(
+            activities=activities, profile_memory=True, record_shapes=True, with_stack=False
+        ) as prof,
+    ):
         step()
         synchronize(dev)
     path = Path(path)
@@ -137,6 +142,20 @@ def profile_step(
         top_memory=_top_memory(averages, on_device=is_cuda(dev), rows=rows),
         table=averages.table(sort_by=key, row_limit=rows),
     )
+
+
+@contextmanager
+def _quiet_kineto():
+    """No "USDT: profiler_start/stop" lines on stderr (kineto reads its level at its first
+    use in a process); a KINETO_LOG_LEVEL the user set is left as it is."""
+    if "KINETO_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["KINETO_LOG_LEVEL"] = "6"  # above USDT: nothing but fatal errors
+    try:
+        yield
+    finally:
+        os.environ.pop("KINETO_LOG_LEVEL", None)
 
 
 def read_trace(path: str | Path) -> dict:
