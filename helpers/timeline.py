@@ -5,7 +5,7 @@ The measured timeline is the course's ``CategoryTracker`` with ``timeline=True``
 after every allocation, free or relabelling of a tracked storage, so its maxima are the
 tracker's own per-category peaks (the same running totals, read at every change). The
 predicted timeline is the estimator's stage model walked moment by moment
-(``helpers.estimator.api.estimate_moments``): a few dozen moments, one or more per stage.
+(``estimate(..., moments=[])``): a few dozen moments, one or more per stage.
 
 Memory view: the tracker's exact bytes of live tensor storages (view 1 of
 ``helpers.memory``), not the allocator's reserved bytes and not what nvidia-smi shows.
@@ -159,11 +159,12 @@ def live_tensors(tracker: CategoryTracker, index: int, top: int = 8) -> list[Liv
 
 def predicted_timeline(cfg: RunConfig) -> Timeline:
     """The estimator's moments for ``cfg`` as a timeline (analytical families only)."""
-    from helpers.estimator.api import estimate_moments
+    from helpers.estimator import estimate
 
-    est, moments = estimate_moments(
+    moments: list = []
+    est = estimate(
         cfg.model, cfg.batch_size, cfg.seq_len, cfg.precision, cfg.optimizer,
-        cfg.gradient_checkpointing, cfg.attn, cfg.grad_accum, cfg.device,
+        cfg.gradient_checkpointing, cfg.attn, cfg.grad_accum, cfg.device, moments=moments,
     )  # fmt: skip
     alive = {k: [0] * len(moments) for k in CATEGORIES}
     fixed = {"params": est.params, "buffers": est.buffers, "optimizer_state": est.optimizer_state}

@@ -7,7 +7,6 @@ from dataclasses import replace
 import pytest
 
 from helpers.estimator import estimate
-from helpers.estimator.api import estimate_moments
 from helpers.memory import innermost
 from helpers.plots import memory_timeline, memory_timelines
 from helpers.timeline import (
@@ -108,9 +107,11 @@ def test_the_predicted_timeline_is_the_estimate(timelines, model, setting):
     assert xs == sorted(xs)
 
 
-def test_estimate_moments_needs_a_stage_model():
+def test_moments_need_a_stage_model():
     with pytest.raises(ValueError, match="no analytical model"):
-        estimate_moments("gpt2-tiny", 2, 16)
+        estimate("gpt2-tiny", 2, 16, moments=[])
+    with pytest.raises(ValueError, match="moments come from the analytical"):
+        estimate("llama-tiny", 2, 16, path="traced", moments=[])
 
 
 def test_the_budget_stops_the_timeline_at_the_failing_allocation(timelines):

@@ -30,6 +30,7 @@ def estimate(
     lora_targets: str = "",
     path: str = "auto",
     qlora: bool = False,
+    moments: list | None = None,
 ) -> Estimate:
     """Predicted per-category bytes of one steady-state training step (see the module doc).
 
@@ -43,6 +44,9 @@ def estimate(
     and no LoRA is trained (the stage model's LoRA account is approximate, the traced one
     exact). ``Estimate.path`` says which one answered. ``qlora``: the LoRA step with the
     layers' frozen Linear weights in 4 bits (``helpers.estimator.qlora``; 16-bit precision).
+    ``moments``: a list that receives the stage model's walk through the step, moment by moment
+    (``simulate.PredictedMoment``; lesson 15 draws them). Only the analytical path walks the
+    step in stages, so ``moments`` asks for it and other architectures raise ValueError.
     """
     from helpers.device import resolve
 
@@ -52,10 +56,14 @@ def estimate(
     if limit and seq_len > limit:
         raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings ({limit})")
     dev = resolve(device)
+    if moments is not None and path == "auto":
+        path = "analytical"
     chosen = _choose_path(info, path, precision, qlora)
     if chosen == "analytical":
         return _analytical(info, batch_size, seq_len, precision, optimizer,
-                           gradient_checkpointing, attn, grad_accum, dev.type)  # fmt: skip
+                           gradient_checkpointing, attn, grad_accum, dev.type, moments)  # fmt: skip
+    if moments is not None:
+        raise ValueError("moments come from the analytical stage model: use path='analytical'")
     step = _traced(info, batch_size, seq_len, precision, optimizer, gradient_checkpointing,
                    attn, grad_accum, dev.type, frozen_16bit=qlora)  # fmt: skip
     if qlora:
@@ -63,34 +71,6 @@ def estimate(
 
         return qlora_estimate(step, info)
     return step
-
-
-def estimate_moments(
-    model,
-    batch_size: int,
-    seq_len: int,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    gradient_checkpointing: bool = False,
-    attn: str = "eager",
-    grad_accum: int = 1,
-    device=None,
-) -> tuple[Estimate, list]:
-    """The stage model's estimate and its walk through the step, moment by moment.
-
-    Lesson 15 draws the moments (``simulate.PredictedMoment``) over the tracker's measured
-    timeline. Only the analytical path walks the step in stages; other architectures raise
-    ValueError (their traced estimate is the tracker itself, run on fake tensors).
-    """
-    from helpers.device import resolve
-
-    _check_setting(precision, optimizer, attn, batch_size, seq_len, grad_accum)
-    info = describe_model(model, attn)
-    _choose_path(info, "analytical", precision, False)  # ValueError for a traced family
-    moments: list = []
-    est = _analytical(info, batch_size, seq_len, precision, optimizer, gradient_checkpointing,
-                      attn, grad_accum, resolve(device).type, moments)  # fmt: skip
-    return est, moments
 
 
 def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool) -> str:
