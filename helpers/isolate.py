@@ -68,7 +68,7 @@ def start(*extra: str) -> bool:
     it is ready by the first experiment instead of making that one wait (seconds on a
     laptop). Call it before the first experiment: once the server runs, its preload is fixed.
     Returns False where there is no fork server (Windows: experiments spawn).
-    Either way this process, like the server, stays quiet from here on about the two library
+    Either way this process, like the server, stays quiet from here on about the library
     notices ``helpers.quiet`` names: a notebook's first cell calls it, before any import.
     """
     from multiprocessing import forkserver

@@ -233,13 +233,21 @@ class CategoryTracker(MemTracker):
         return t.untyped_storage().data_ptr() in o.host
 
     def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
-        if self._skip(t):
+        # None: a gradient already stepped and freed inside backward (OptimizerInBackward).
+        if t is None or self._skip(t):
             return set()
         self._tensor_now = t
         try:
             return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
         finally:
             self._tensor_now = None
+
+    def track_external(self, *external) -> None:
+        """MemTracker's, also taking an optimizer made of per-parameter optimizers (lesson 16)."""
+        expanded = []
+        for obj in external:
+            expanded.extend(getattr(obj, "optimizers", {obj: obj}).values())
+        super().track_external(*expanded)
 
     def _track_optimizer_states(self, reftype, optimizer) -> None:
         if self.events is not None:  # the timeline names each state tensor by its parameter

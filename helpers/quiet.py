@@ -6,6 +6,10 @@
   bitsandbytes. 4-bit matmuls are QLoRA's (lesson 13), not a training step's.
 - DeepSpeed, imported when a Trainer is created (accelerate unwraps the model) on a machine
   without a GPU, says it falls back to the CPU; the lessons print the device themselves.
+- torchao (fp8 training, lesson 16), which transformers imports whenever it builds a model,
+  says "Failed to load ..." for each of its CUDA kernel libraries that a CPU build of torch
+  cannot load; and it registers enums with torch's pytree, which logs a deprecation line per
+  enum. Neither changes what the course runs: fp8 needs a CUDA GPU of compute capability 8.9+.
 
 Other warnings and errors of both libraries still show. ``quiet_libraries()`` is the context
 manager the lessons use; experiments in isolated processes run inside it (helpers.isolate),
@@ -20,6 +24,8 @@ from collections.abc import Callable
 
 BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"  # logs the Hub-kernel warning
 DEEPSPEED_LOGGER = "DeepSpeed"  # deepspeed.utils.logging's logger
+TORCHAO_LOGGER = "torchao"  # logs each kernel library it cannot load
+PYTREE_LOGGER = "torch.utils._pytree"  # logs register_constant() of an Enum as deprecated
 
 
 def _cpu_accelerator_notice(record: logging.LogRecord) -> bool:
@@ -27,23 +33,42 @@ def _cpu_accelerator_notice(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Setting accelerator to CPU")
 
 
+def _torchao_kernel_notice(record: logging.LogRecord) -> bool:
+    """False for torchao's "Failed to load <kernel library>" notice (a logging filter)."""
+    return not record.getMessage().startswith("Failed to load ")
+
+
+def _pytree_enum_notice(record: logging.LogRecord) -> bool:
+    """False for torch's "<enum> is an Enum subclass ..." deprecation line (a logging filter)."""
+    return "is an Enum subclass and is now natively supported" not in record.getMessage()
+
+
+_FILTERS = (
+    (DEEPSPEED_LOGGER, _cpu_accelerator_notice),  # survives DeepSpeed setting up its logger
+    (TORCHAO_LOGGER, _torchao_kernel_notice),
+    (PYTREE_LOGGER, _pytree_enum_notice),
+)
+
+
 def silence_library_notices() -> Callable[[], None]:
-    """Drop the two notices from now on; returns the function that brings them back."""
-    bnb, deepspeed = logging.getLogger(BNB_CPU_LOGGER), logging.getLogger(DEEPSPEED_LOGGER)
+    """Drop the notices this module's docstring names from now on; returns the undo."""
+    bnb = logging.getLogger(BNB_CPU_LOGGER)
     level = bnb.level
     bnb.setLevel(logging.ERROR)
-    deepspeed.addFilter(_cpu_accelerator_notice)  # survives DeepSpeed setting up its logger
+    for name, notice in _FILTERS:
+        logging.getLogger(name).addFilter(notice)
 
     def restore() -> None:
         bnb.setLevel(level)
-        deepspeed.removeFilter(_cpu_accelerator_notice)
+        for name, notice in _FILTERS:
+            logging.getLogger(name).removeFilter(notice)
 
     return restore
 
 
 @contextlib.contextmanager
 def quiet_libraries():
-    """Inside: the two notices this module's docstring names are not shown."""
+    """Inside: the notices this module's docstring names are not shown."""
     restore = silence_library_notices()
     try:
         yield

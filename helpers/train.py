@@ -44,15 +44,22 @@ class RunConfig:
     label: str = ""  # a short name for tables and plots
     lora_r: int = 0  # LoRA rank (peft); 0 = full fine-tuning, every weight trained
     lora_targets: str = ""  # comma-separated module names, "all-linear", "" = peft's default
+    optimizer_in_backward: bool = False  # step each parameter inside backward (lesson 16)
+    loss_chunk: int = 0  # causal LM: tokens of logits per chunk of the loss; 0 = all (lesson 16)
 
     def as_dict(self) -> dict:
         """Plain dict for records and JSON."""
         return asdict(self)
 
 
-def make_optimizer(name: str, model: torch.nn.Module, lr: float = 1e-3) -> torch.optim.Optimizer:
-    """The optimizer by course name: adamw, sgd (momentum 0.9), adafactor, adamw8bit."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def make_optimizer(name: str, model: torch.nn.Module, lr: float = 1e-3, params=None):
+    """The optimizer by course name: adamw, sgd (momentum 0.9), adafactor, adamw8bit.
+
+    ``params``: the parameters it updates (default: the model's trainable ones); the model is
+    still what 8-bit AdamW reads its embedding overrides from.
+    """
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr)
     if name == "sgd":
@@ -175,7 +182,7 @@ class Trainee:
         self.model.train()
         self.n_params = count_params(self.model)
         self.n_tensors = len(list(self.model.parameters()))
-        self.optimizer = make_optimizer(cfg.optimizer, self.model)
+        self.optimizer = self._optimizer()
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "fp16" else None
         if self.device.type == "cuda":  # fp32 matmuls on tf32 tensor cores, or plain fp32
             device_api.set_tf32(cfg.precision == "tf32")
@@ -183,6 +190,26 @@ class Trainee:
         self.task = MarkovTask(n_states=min(64, self.config.vocab_size), seed=cfg.seed)
         self.losses: list[float] = []
         self._fixed = None
+
+    def _optimizer(self):
+        """The run's optimizer, or one per parameter stepped inside backward (lesson 16)."""
+        c = self.cfg
+        if c.loss_chunk and self.kind != "causal-lm":
+            raise ValueError("loss_chunk applies to causal language models (decoders) only")
+        if not c.optimizer_in_backward:
+            return make_optimizer(c.optimizer, self.model)
+        if c.grad_accum > 1 or c.precision == "fp16":
+            raise ValueError(
+                "optimizer_in_backward steps each parameter as soon as its gradient exists, so "
+                "it cannot accumulate micro-batches or unscale fp16 gradients first: use "
+                "grad_accum=1 and fp32/bf16"
+            )
+        from helpers.memory_savers import OptimizerInBackward
+
+        return OptimizerInBackward(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lambda one: make_optimizer(c.optimizer, self.model, params=one),
+        )
 
     def batch(self) -> dict[str, torch.Tensor]:
         """The next micro-batch on the device: fresh task data, or one fixed random batch."""
@@ -203,10 +230,19 @@ class Trainee:
         batches = (self.batch() for _ in range(c.grad_accum))
         loss = train_step(
             self.model, self.optimizer, batches, accumulate=c.grad_accum,
-            precision=c.precision, scaler=self.scaler,
+            precision=c.precision, scaler=self.scaler, loss_of=self._loss_of(),
         )  # fmt: skip
         self.losses.append(float(loss))
         return self.losses[-1]
+
+    def _loss_of(self) -> Callable:
+        """How a batch becomes a loss: the model's own, or the chunked loss (lesson 16)."""
+        if not self.cfg.loss_chunk:
+            return model_loss
+        from helpers.memory_savers import ChunkedCausalLMLoss
+
+        chunked = ChunkedCausalLMLoss(self.model, self.cfg.loss_chunk)
+        return lambda model, batch: chunked(batch)
 
 
 def trainee_step(cfg: RunConfig):

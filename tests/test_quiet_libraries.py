@@ -100,3 +100,23 @@ def test_isolate_start_silences_this_process_too():
     assert _deepspeed_notice_shows()
     isolate.start()  # a notebook's first cell
     assert not _deepspeed_notice_shows()
+
+
+def test_torchao_kernel_and_pytree_enum_notices_are_silenced_in_a_fresh_process():
+    # transformers imports torchao when it builds a model; on a CPU build of torch, torchao
+    # says it failed to load its CUDA kernels and torch logs a deprecation per enum. A fresh
+    # interpreter with and without the silencing: the control shows the check can fail.
+    pytest.importorskip("torchao")
+    code = (
+        "from helpers.quiet import silence_library_notices\n{}\n"
+        "import transformers.quantizers.auto\n"
+    )
+    loud = subprocess.run([sys.executable, "-c", code.format("pass")],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    quiet = subprocess.run([sys.executable, "-c", code.format("silence_library_notices()")],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA build of torch loads torchao's kernels: no notice to silence")
+    assert "Failed to load" in loud.stderr and "Enum subclass" in loud.stderr
+    assert "Failed to load" not in quiet.stderr and "Enum subclass" not in quiet.stderr
+    assert quiet.stderr.strip() == "", quiet.stderr

@@ -110,7 +110,7 @@ def test_the_predicted_timeline_is_the_estimate(timelines, model, setting):
 def test_moments_need_a_stage_model():
     with pytest.raises(ValueError, match="no analytical model"):
         estimate("gpt2-tiny", 2, 16, moments=[])
-    with pytest.raises(ValueError, match="moments come from the analytical"):
+    with pytest.raises(ValueError, match=r"moments, .* come from the analytical"):
         estimate("llama-tiny", 2, 16, path="traced", moments=[])
 
 

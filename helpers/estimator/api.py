@@ -31,6 +31,8 @@ def estimate(
     path: str = "auto",
     qlora: bool = False,
     moments: list | None = None,
+    optimizer_in_backward: bool = False,
+    loss_chunk: int = 0,
 ) -> Estimate:
     """Predicted per-category bytes of one steady-state training step (see the module doc).
 
@@ -56,14 +58,12 @@ def estimate(
     if limit and seq_len > limit:
         raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings ({limit})")
     dev = resolve(device)
-    if moments is not None and path == "auto":
-        path = "analytical"
-    chosen = _choose_path(info, path, precision, qlora)
-    if chosen == "analytical":
-        return _analytical(info, batch_size, seq_len, precision, optimizer,
-                           gradient_checkpointing, attn, grad_accum, dev.type, moments)  # fmt: skip
-    if moments is not None:
-        raise ValueError("moments come from the analytical stage model: use path='analytical'")
+    savers = _check_savers(info, optimizer_in_backward, loss_chunk, precision, grad_accum)
+    if _choose_path(info, path, precision, qlora, moments is not None or savers) == "analytical":
+        z = _Shape(b=batch_size, s=seq_len, ea=PRECISION_BYTES[precision],
+                   amp=precision in AUTOCAST, dev=dev.type, chunk=loss_chunk)  # fmt: skip
+        return _analytical(info, z, optimizer, gradient_checkpointing, attn, grad_accum, moments,
+                           optimizer_in_backward)  # fmt: skip
     step = _traced(info, batch_size, seq_len, precision, optimizer, gradient_checkpointing,
                    attn, grad_accum, dev.type, frozen_16bit=qlora)  # fmt: skip
     if qlora:
@@ -73,10 +73,19 @@ def estimate(
     return step
 
 
-def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool) -> str:
-    """ "analytical" or "traced" for ``estimate``'s ``path``; ValueError, saying why, if neither."""
+def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool, staged: bool) -> str:
+    """ "analytical" or "traced" for ``estimate``'s ``path``; ValueError, saying why, if neither.
+
+    ``staged``: the estimate needs the stage model (moments, lesson 16's memory savers)."""
     if path not in PATHS:
         raise ValueError(f"unknown path {path!r}: use one of {', '.join(PATHS)}")
+    if staged and path == "traced":
+        raise ValueError(
+            "moments, optimizer_in_backward and loss_chunk come from the analytical stage "
+            "model: use path='analytical'"
+        )
+    if staged:
+        path = "analytical"
     if path == "analytical" and info.family == TRACED:
         raise ValueError(
             f"no analytical model for model_type {info.model_type!r} (it knows "
@@ -93,13 +102,33 @@ def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool) -> str
     return "analytical"
 
 
-def _analytical(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accum, device_type,
-                moments=None):  # fmt: skip
+def _check_savers(
+    info, in_backward: bool, loss_chunk: int, precision: str, grad_accum: int
+) -> bool:
+    """Whether lesson 16's savers are on; ValueError, saying why, for a setting they refuse."""
+    if loss_chunk < 0:
+        raise ValueError("loss_chunk must be a number of tokens (0: the whole loss at once)")
+    if loss_chunk and info.family == "encoder":
+        raise ValueError("loss_chunk applies to causal language models (decoders) only")
+    if (in_backward or loss_chunk) and info.family == TRACED:
+        raise ValueError(
+            f"optimizer_in_backward and loss_chunk are estimated by the stage model, which "
+            f"knows {', '.join(SUPPORTED)}, not model_type {info.model_type!r}"
+        )
+    if in_backward and (grad_accum > 1 or precision == "fp16"):
+        raise ValueError(
+            "optimizer_in_backward steps each parameter as soon as its gradient exists: it "
+            "cannot accumulate micro-batches or unscale fp16 gradients (use grad_accum=1 and "
+            "fp32/bf16)"
+        )
+    return bool(in_backward or loss_chunk)
+
+
+def _analytical(info, z: _Shape, optimizer, gc, attn, grad_accum, moments=None,
+                in_backward=False):  # fmt: skip
     """The stage model's estimate (the module doc); ``moments`` receives the walk's moments."""
-    z = _Shape(
-        b=batch_size, s=seq_len, ea=PRECISION_BYTES[precision], amp=precision in AUTOCAST,
-        dev=device_type,
-    )  # fmt: skip
+    device_type = z.dev
+    batch_size, seq_len = z.b, z.s
     build = _encoder_stages if info.family == "encoder" else _decoder_stages
     stages = build(info, z, attn, gc)
     _add_adapters(stages, info, z)
@@ -107,14 +136,15 @@ def _analytical(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_
         _round_to_allocations(stages, info)
     state = _training_state(info, optimizer, device_type)
     base = state.params + state.buffers + state.optimizer_state
+    steps = _steps_in_backward(info, optimizer, device_type) if in_backward else None
     act, temp, copies, peak, where = _simulate(
-        stages, base, state.gradients, grad_accum > 1, state.step_temporaries, moments
+        stages, base, state.gradients, grad_accum > 1, state.step_temporaries, moments, steps
     )
     return Estimate(
         n_params=info.n_params,
         params=state.params,
         buffers=state.buffers,
-        gradients=state.gradients,
+        gradients=max(g for g, _ in steps.values()) if steps else state.gradients,
         optimizer_state=state.optimizer_state,
         activations=act,
         temporaries=temp,
@@ -205,6 +235,19 @@ def _training_state(info: ModelInfo, optimizer: str, device_type: str) -> _State
         optimizer_state=optimizer_state_bytes(optimizer, trainable, device_type),
         step_temporaries=optimizer_step_temporaries(optimizer, trainable, device_type),
     )
+
+
+def _steps_in_backward(info: ModelInfo, optimizer: str, device_type: str) -> dict:
+    """Stage name -> (its largest gradient's bytes, that parameter's step scratch), for the
+    optimizer steps inside backward: one parameter's gradient and step at a time."""
+    out: dict[str, tuple[int, int]] = {}
+    for p in info.params:
+        if not p.trainable:
+            continue
+        one = (allocation_bytes(FP32 * p.numel, device_type),
+               optimizer_step_temporaries(optimizer, [p], device_type))  # fmt: skip
+        out[p.stage] = max(out.get(p.stage, (0, 0)), one, key=sum)
+    return out
 
 
 def _first_layer(stages: list[Stage]) -> dict[str, int]:

@@ -187,6 +187,8 @@ def _decoder_attention_backward(x: _Decoder, at: Stage, qkv: int, probs: int) ->
 
 def _decoder_head_and_loss(x: _Decoder) -> list[Stage]:
     """The final RMSNorm, lm_head (maybe tied to the embedding), and the causal-LM loss."""
+    if x.z.chunk:
+        return [_chunked_head_and_loss(x)]
     m, z, ea, t, vocab, h = x.m, x.z, x.z.ea, x.z.t, x.vocab, x.h
     cast = m.stage_numel("head", cast_only=True) + (vocab * h if m.tied else 0)
     head = Stage("head", copies=2 * cast if z.amp else 0)
@@ -215,6 +217,36 @@ def _decoder_head_and_loss(x: _Decoder) -> list[Stage]:
         loss.transient = {"logits upcast to fp32 by the loss": FP32 * t * vocab}
     loss.backward = [Moment(temp=2 * FP32 * t * vocab)]  # nll grad + log-softmax grad
     return [head, loss]
+
+
+def _chunked_head_and_loss(x: _Decoder) -> Stage:
+    """The head and loss as ``helpers.memory_savers.ChunkedCausalLMLoss`` runs them (lesson 16).
+
+    Each chunk of c tokens makes its logits and log-softmax (fp32; under autocast the 16-bit
+    logits are freed once upcast) inside a checkpoint, and frees them; forward keeps only the
+    final RMSNorm output. Backward recomputes one chunk at a time; at its weight-gradient
+    matmul the chunk's new lm_head gradient (fp32, V x h) and the sum of the earlier chunks'
+    are alive, with the chunk's logit gradients (two c x V in fp32; one under autocast, where
+    the 16-bit matmul's operands are smaller).
+    """
+    m, z, vocab, h = x.m, x.z, x.vocab, x.h
+    c = min(z.chunk, z.t)
+    cast = m.stage_numel("head", cast_only=True) + (vocab * h if m.tied else 0)
+    head = Stage("head", copies=2 * cast if z.amp else 0)
+    head.grads = FP32 * m.stage_numel("head")
+    if m.tied:
+        head.pending_grads = FP32 * vocab * h
+    _rmsnorm(head, "final RMSNorm", z, h)
+    head.saved["final RMSNorm output (the chunks' inputs)"] = FP32 * x.th
+    head.forward_only["labels, padded and shifted"] = INT64 * (z.b * (z.s + 1) + z.t)
+    head.transient["one chunk's logits and log-softmax (fp32)"] = 2 * FP32 * c * vocab
+    earlier = FP32 * vocab * h if z.t > c else 0  # the running sum exists from chunk 2 on
+    logit_grads = (1 if z.amp else 2) * FP32 * c * vocab
+    head.backward = [
+        Moment(earlier + FP32 * vocab * h + logit_grads),
+        Moment(4 * x.g, grads_done=FP32 * vocab * h, copies_released=head.copies),
+    ]
+    return head
 
 
 def _rmsnorm(stage: Stage, label: str, z: _Shape, h: int) -> None:

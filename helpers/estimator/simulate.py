@@ -41,6 +41,7 @@ class _Walk:
     where: str = ""
     moments: list[PredictedMoment] | None = None  # every moment, when asked for (timeline)
     base: int = 0  # bytes of the model state under every moment (weights, buffers, state)
+    pending: int = 0  # optimizer in backward: a tied weight's gradient waiting for its second
 
     def seen(self, total: int, label: str, grads: int = 0, acts: int = 0, temps: int = 0) -> None:
         """Note a moment's total bytes; the first moment of a new maximum names the peak."""
@@ -64,17 +65,21 @@ class PredictedMoment:
 
 def _simulate(
     stages: list[Stage], base: int, grads_all: int, accumulate: bool, opt_temp: int,
-    moments: list[PredictedMoment] | None = None,
+    moments: list[PredictedMoment] | None = None, steps: dict | None = None,
 ):  # fmt: skip
     """Walk forward, backward and the optimizer step; return category maxima and the peak.
 
-    ``moments``: a list that receives every moment of the walk (``helpers.timeline``)."""
+    ``moments``: a list that receives every moment of the walk (``helpers.timeline``).
+    ``steps``: the optimizer steps inside backward (lesson 16), stage name -> (bytes of the
+    stage's largest gradient, its step's scratch): each stage's gradients are stepped and
+    freed when its backward ends, and there is no optimizer step after backward."""
     walk = _Walk(moments=moments, base=base)
     grads0 = grads_all if accumulate else 0  # later micro-batches find every gradient there
     kept = _forward(stages, walk, base + grads0, grads0)
-    _backward(stages, walk, base, grads0, kept, accumulate)
-    walk.temporaries = max(walk.temporaries, opt_temp)
-    walk.seen(base + grads_all + opt_temp, "optimizer step", grads_all, 0, opt_temp)
+    _backward(stages, walk, base, grads0, kept, accumulate, steps)
+    if steps is None:
+        walk.temporaries = max(walk.temporaries, opt_temp)
+        walk.seen(base + grads_all + opt_temp, "optimizer step", grads_all, 0, opt_temp)
     return walk.activations, walk.temporaries, walk.copies, walk.peak, walk.where
 
 
@@ -103,9 +108,11 @@ def _forward(stages: list[Stage], walk: _Walk, floor: int, grads: int = 0) -> in
     return kept
 
 
-def _backward(stages: list[Stage], walk: _Walk, base: int, grads: int, act: int, accumulate):
+def _backward(stages: list[Stage], walk: _Walk, base: int, grads: int, act: int, accumulate,
+              steps: dict | None = None):  # fmt: skip
     """Backward: stages in reverse; a checkpointed layer is recomputed when backward reaches
-    it. ``grads`` are the gradient bytes already there, ``act`` the activations kept."""
+    it. ``grads`` are the gradient bytes already there, ``act`` the activations kept;
+    ``steps``: the optimizer steps inside backward (``_simulate``)."""
     copies = sum(st.copies for st in stages if st.region is None)  # autocast's cache is gone
     recomputed: set[int] = set()
     pending = 0  # a tied weight's first gradient, a temporary until the second one is added
@@ -120,7 +127,7 @@ def _backward(stages: list[Stage], walk: _Walk, base: int, grads: int, act: int,
             walk.activations = max(walk.activations, act + st.recompute_transient)
             walk.copies = max(walk.copies, copies)
         for mom in st.backward or [Moment(0)]:
-            done = 0 if accumulate else mom.grads_done
+            done = 0 if accumulate or steps is not None else mom.grads_done
             temp = copies - mom.copies_released + mom.temp + rtemp + pending
             walk.temporaries = max(walk.temporaries, temp)
             alive = act - mom.released
@@ -130,9 +137,29 @@ def _backward(stages: list[Stage], walk: _Walk, base: int, grads: int, act: int,
         if st.region is not None and not st.input_in_saved:
             act -= st.checkpoint_input
         copies -= st.copies
+        if steps is not None:
+            pending = _step_in_backward(st, walk, base + act, copies + pending, steps.get(st.name))
+            continue
         grads += 0 if accumulate else st.grads
         if st.pending_grads and not accumulate:  # with accumulation p.grad already exists
             pending = st.pending_grads
         elif st.name == "embed" and pending:
             grads += 0 if accumulate else pending
             pending = 0
+
+
+def _step_in_backward(st: Stage, walk: _Walk, floor: int, temp: int, step) -> int:
+    """A stage's parameters stepped as its backward ends, one gradient alive at a time (the
+    largest, and its step's scratch), over ``temp`` (16-bit copies of the stages still to
+    come, and a tied gradient pending); returns the tied gradient still pending after it."""
+    one, scratch = step or (0, 0)
+    pending = walk.pending
+    if st.name == "embed" and pending:  # the tied weight's two gradients, summed, step here
+        one, pending = max(one, pending), 0
+    temp += pending - walk.pending + scratch
+    if one:
+        walk.temporaries = max(walk.temporaries, temp)
+        walk.seen(floor + one + temp, f"optimizer step in backward: {st.name}",
+                  one, floor - walk.base, temp)  # fmt: skip
+    walk.pending = pending + st.pending_grads
+    return walk.pending

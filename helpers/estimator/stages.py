@@ -50,6 +50,7 @@ class _Shape:
     ea: int  # bytes of matmul outputs: 4 in fp32, 2 under autocast
     amp: bool
     dev: str  # device type
+    chunk: int = 0  # causal LM: tokens of logits per chunk of the loss (0: all at once)
 
     @property
     def t(self) -> int:
