@@ -15,6 +15,7 @@ multiple of 512 bytes (``helpers.device.allocation_bytes``), so a 4-byte bias ta
 
 from __future__ import annotations
 
+import functools
 import gc
 import re
 import warnings
@@ -522,3 +523,71 @@ def memory_budget(nbytes: int, *tracked, device: torch.device | None = None):
     tracker.track_external(*tracked)
     with tracker:
         yield tracker
+
+
+# -- FSDP2 (lesson 17): PyTorch's FSDPMemTracker, with the course's categories ---------------
+
+# FSDPMemTracker's categories (``_FSDPRefType`` values) as the course's.
+FSDP_CATEGORY = {
+    "Sharded Param": "params", "Buffer": "buffers", "Sharded Grad": "gradients",
+    "OptState": "optimizer_state", "Activation": "activations", "Temp": "temporaries",
+    "Inputs": "inputs", "Unsharded Param": "gathered_params",
+    "Unsharded Grad": "gathered_gradients", "All Gather": "communication_buffers",
+    "Reduce Scatter": "communication_buffers",
+}  # fmt: skip
+FSDP_KEYS = tuple(dict.fromkeys(FSDP_CATEGORY.values()))  # the course's names, each once
+
+
+@functools.cache
+def _fsdp_tracker_class():
+    """``FSDPMemTracker`` with the course's per-category maxima (see fsdp_category_tracker)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+
+    class FsdpCategoryTracker(FSDPMemTracker):
+        def __init__(self, mod, optm=None, device: torch.device | None = None) -> None:
+            super().__init__(mod, optm)
+            self.device = device  # only this device's storages count (None: any)
+            self.maxima = dict.fromkeys(FSDP_KEYS, 0)
+            self.max_total = 0
+            self.max_snapshot: dict[str, int] = {}
+
+        def _track(self, reftype, t) -> None:
+            # As CategoryTracker: what step() allocates is scratch until the post-step hook
+            # relabels the real state (exp_avg, exp_avg_sq, step) as optimizer state.
+            if reftype == _FSDPRefType.OPT:
+                reftype = _FSDPRefType.TEMP
+            super()._track(reftype, t)
+
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+            snap = self._curr_mem_snap.get(winfo.device)
+            if snap is None or self.device not in (None, winfo.device):
+                return  # on CUDA, AdamW's step counters live on the CPU: not GPU memory
+            now = dict.fromkeys(FSDP_KEYS, 0)
+            for reftype, nbytes in snap.items():
+                if reftype != "Total":
+                    now[FSDP_CATEGORY[reftype.value]] += nbytes
+            for key, nbytes in now.items():
+                self.maxima[key] = max(self.maxima[key], nbytes)
+            if snap["Total"] > self.max_total:
+                self.max_total, self.max_snapshot = snap["Total"], now
+
+        def peaks(self) -> dict:
+            """Each course category's largest bytes, the largest total and what made it."""
+            return {**self.maxima, "peak": self.max_total, "peak_at": dict(self.max_snapshot)}
+
+    return FsdpCategoryTracker
+
+
+def fsdp_category_tracker(root: torch.nn.Module, optimizer, device: torch.device | None = None):
+    """PyTorch's ``FSDPMemTracker`` over an FSDP2 model, reporting the course's categories.
+
+    FSDPMemTracker tells sharded parameters and gradients (what each process keeps) from the
+    gathered ones (whole layers, alive while a layer computes) and the all-gather and
+    reduce-scatter buffers; it keeps only the breakdown at the total's peak, so, as
+    CategoryTracker does, this one keeps each category's own maximum, and counts the optimizer
+    step's scratch as temporaries. ``peaks()`` maps the categories (``FSDP_CATEGORY``): sharded
+    ones are the course's parameters and gradients; the rest is what FSDP adds. With
+    ``device``, only that device's storages count (as ``CategoryTracker(device=...)``).
+    """
+    return _fsdp_tracker_class()(root, optimizer, dev.resolve(device) if device else None)

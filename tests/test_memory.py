@@ -234,3 +234,23 @@ def test_the_private_memtracker_api_the_course_relies_on_is_still_there():
     assert kinds <= _MemRefType.__members__.keys(), _MemRefType.__members__.keys()
     for attr in ("is_bw", "parents", "get_known_fqn"):
         assert hasattr(ModTracker(), attr), f"ModTracker has no {attr} any more"
+
+
+def test_the_fsdp_tracker_internals_the_course_relies_on_are_still_there():
+    """helpers.memory's FSDP2 tracker (lesson 17) overrides FSDPMemTracker's ``_track`` and
+    ``_update_snap`` and maps every ``_FSDPRefType`` value to a course category."""
+    import inspect
+
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+
+    from helpers.memory import FSDP_CATEGORY
+
+    methods = {
+        "_track": ["reftype", "t"],
+        "_update_snap": ["u_type", "winfo", "old_mem_consumed", "old_reftype"],
+    }
+    for name, params in methods.items():
+        found = list(inspect.signature(getattr(FSDPMemTracker, name)).parameters)[1:]
+        assert found == params, f"FSDPMemTracker.{name}{tuple(found)}, the course expects {params}"
+    assert {r.value for r in _FSDPRefType} <= FSDP_CATEGORY.keys(), list(_FSDPRefType)
+    assert hasattr(_FSDPRefType, "OPT") and hasattr(_FSDPRefType, "TEMP")

@@ -88,6 +88,7 @@ softmax under autocast, fused SDPA, foreach optimizers) follow PyTorch's sources
 
 from helpers.estimator.api import estimate, estimate_run
 from helpers.estimator.model import SUPPORTED, ModelInfo, ParamInfo, describe_model
+from helpers.estimator.parallel import estimate_per_rank
 from helpers.estimator.simulate import Estimate
 from helpers.estimator.state import (
     TrainingState,
@@ -104,6 +105,7 @@ __all__ = [
     "TrainingState",
     "describe_model",
     "estimate",
+    "estimate_per_rank",
     "estimate_run",
     "optimizer_state_bytes",
     "optimizer_step_temporaries",
