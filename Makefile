@@ -73,7 +73,8 @@ TIMING_NOTEBOOKS := $(addprefix notebooks/,00_setup_and_measuring.ipynb 01_anato
   02_batch_size.ipynb 03_gradient_accumulation.ipynb 04_gradient_checkpointing.ipynb \
   05_mixed_precision.ipynb 06_optimizers.ipynb 08_deepspeed_zero.ipynb \
   09_mixture_of_experts.ipynb 10_sdpa_flash_attention.ipynb 11_data_loading.ipynb \
-  12_torch_compile.ipynb 13_peft_lora.ipynb 14_putting_it_together.ipynb)
+  12_torch_compile.ipynb 13_peft_lora.ipynb 14_putting_it_together.ipynb \
+  16_more_memory.ipynb)
 COURSE_RESULTS_FILE := $(CURDIR)/build/results.jsonl
 EXECUTED_DIR := build/executed
 

@@ -24,7 +24,13 @@ NOTEBOOKS = {
     "12": "12_torch_compile.ipynb",
     "13": "13_peft_lora.ipynb",
     "14": "14_putting_it_together.ipynb",
+    "16": "16_more_memory.ipynb",
+    "17": "17_beyond_one_gpu.ipynb",
 }
+BEYOND = "not in the guide"  # lessons 16-17: techniques the single-GPU guide does not cover
+TUTORIAL = (
+    "https://docs.pytorch.org/tutorials/intermediate/optimizer_step_in_backward_tutorial.html"
+)
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,15 @@ METHODS = (
            r"decoder LoRA r=4 .*", r"decoder full"),
     Method("Scaled dot product attention", f"{GUIDE}#scaled-dot-production-attention", "Yes",
            "Yes", "10", r"decoder sdpa s(\d+)", r"decoder eager s(\d+)"),
+    Method("Optimizer step inside backward", TUTORIAL, BEYOND, BEYOND, "16",
+           r"step inside backward", r"step after backward"),
+    Method("Chunked cross-entropy (128k vocabulary)", "https://github.com/linkedin/Liger-Kernel",
+           BEYOND, BEYOND, "16", r"chunked loss", r"whole loss"),
+    Method("DDP, per process of N", "https://docs.pytorch.org/docs/stable/notes/ddp.html",
+           BEYOND, BEYOND, "17", r"DDP process 0 of (\d+)", r"one process, batch (\d+)"),
+    Method("FSDP2, per process of N",
+           "https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html", BEYOND,
+           BEYOND, "17", r"FSDP2 process 0 of (\d+)", r"one process, batch (\d+)"),
 )  # fmt: skip
 
 

@@ -46,7 +46,7 @@ REFERENCE_CARDS = {
     "a100-mig": GpuInfo("NVIDIA A100-SXM4-80GB MIG 1g.10gb", 10_468_982_784, (8, 0), 14, ""),
 }
 LONG_SEQS = (2048, 1024, 512)  # lesson 10's whole-model sequence lengths, longest first
-LESSONS = tuple(f"{i:02d}" for i in range(16))
+LESSONS = tuple(f"{i:02d}" for i in range(18))
 
 
 @dataclass(frozen=True)
@@ -108,10 +108,12 @@ def _described(key: str, attn: str):
 
 
 def _estimate(model, b: int, s: int, precision="fp32", optimizer="adamw", gc=False, attn="eager",
-              ga=1):  # fmt: skip
+              ga=1, **savers):  # fmt: skip
+    """The estimator's CUDA numbers; ``savers``: lesson 16's (optimizer_in_backward, loss_chunk)."""
     from helpers.estimator import estimate
 
-    return estimate(_info(model, attn), b, s, precision, optimizer, gc, attn, ga, device="cuda")
+    return estimate(_info(model, attn), b, s, precision, optimizer, gc, attn, ga, device="cuda",
+                    **savers)  # fmt: skip
 
 
 def _flops(model, tokens: int, steps: int, gc: bool = False) -> float:
@@ -133,9 +135,9 @@ class _Lesson:
         return "bf16" if self.card.capability >= (8, 0) else "fp16"
 
     def run(self, label, model, b, s, precision="fp32", optimizer="adamw", gc=False,
-            attn="eager", ga=1, steps=None, **kw):  # fmt: skip
+            attn="eager", ga=1, steps=None, savers=None, **kw):  # fmt: skip
         """A training run (``helpers.train.measure`` and the like)."""
-        est = _estimate(model, b, s, precision, optimizer, gc, attn, ga)
+        est = _estimate(model, b, s, precision, optimizer, gc, attn, ga, **(savers or {}))
         steps = steps or self.scale.warmup + self.scale.repeats + 3  # + tracked, untimed, FLOPs
         flops = _flops(model, b * s * ga, steps, gc)
         self.out.append(Experiment(self.lesson, label, est.peak, flops=flops, **kw))
@@ -385,6 +387,43 @@ def _lesson_15(x: _Lesson) -> None:
     # 90 % of the plain step's peak, the checkpointed one stays under it.
     x.run("checkpointing under the 90 % budget", d, b, s.seq_len, gc=True, steps=2)
     x.run("try it: half the sequence", d, b, max(1, s.seq_len // 2), steps=2)
+
+
+def _lesson_16(x: _Lesson) -> None:
+    from helpers.lessons.more_memory import big_vocab_config, packing_samples
+
+    s, d, b = x.scale, x.scale.decoder, x.scale.batch_size
+    quarter = max(1, s.seq_len // 4)  # section 1: batch 1, a quarter of the length
+    x.run("step after backward", d, 1, quarter, steps=5)  # tracked, and 3 for same_training
+    x.run("step inside backward", d, 1, quarter, steps=5, savers={"optimizer_in_backward": True})
+    for mode in ("none", "full", "selective", "offload"):  # section 2, one worker each
+        x.run(f"checkpointing: {mode}", d, b, s.seq_len, gc=mode in ("full", "selective"),
+              attn="sdpa")  # fmt: skip
+    # gradient_check: the model and two sets of gradients
+    x.tensors("gradients compared", 3 * x.weights(d))
+    big, chunk = big_vocab_config(s.name), 2 * s.seq_len // 4  # section 3: 2 sequences
+    x.run("whole loss", big, 2, s.seq_len, steps=4)
+    x.run("chunked loss", big, 2, s.seq_len, steps=4, savers={"loss_chunk": chunk})
+    x.run("chunked + step inside backward", big, 2, s.seq_len, steps=4,
+          savers={"loss_chunk": chunk, "optimizer_in_backward": True})  # fmt: skip
+    n = packing_samples(s)  # section 4: padded to the longest sample, at most seq_len
+    x.run("packing: padded batch", d, n, s.seq_len, attn="sdpa")
+    x.tensors("packing: the packed row's T x T mask", 4 * (n * s.seq_len) ** 2)
+    x.run("fp8: 16-bit reference", d, b, s.seq_len, precision=x.half, attn="sdpa", steps=25)
+    x.tensors("fp8: the model converted on a copy", 2 * x.weights(d))
+
+
+def _lesson_17(x: _Lesson) -> None:
+    """A card's share: with a GPU per process, each holds one process's step (else the lesson
+    runs the tiny scale on CPU processes and nothing here touches the card)."""
+    from helpers.estimator import estimate_per_rank
+
+    s, d = x.scale, x.scale.decoder
+    x.run("one process, the global batch", d, s.batch_size, s.seq_len)
+    for strategy in ("ddp", "fsdp"):
+        est = estimate_per_rank(d, 2, strategy, max(1, s.batch_size // 2), s.seq_len,
+                                device="cuda")  # fmt: skip
+        x.tensors(f"{strategy} process (a GPU each)", est.peak)
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ state is touched. In a notebook, ``%matplotlib inline`` makes a returned figure 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 from matplotlib.figure import Figure
@@ -232,7 +233,8 @@ def timeline(runs: Mapping[str, Mapping[str, Sequence[float]]], ylabel: str, tit
 # Stacking order of a timeline: the floor (weights, buffers, optimizer state) first.
 TIMELINE_ORDER = ("params", "buffers", "optimizer_state", "gradients", "activations",
                   "temporaries", "inputs")  # fmt: skip
-_PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer step": "opt"}
+_PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer step": "opt",
+                "bwd + opt": "bwd + a step per parameter"}  # fmt: skip
 
 
 def short_module(name: str) -> str:
@@ -291,13 +293,30 @@ def _mark_phases(ax, t) -> None:
 
     top = mtransforms.blended_transform_factory(ax.transData, ax.transAxes)
     micros = max(t.micro, default=1) > 1
-    for phase, micro, lo, hi in t.spans():
+    for phase, micro, lo, hi in _phase_runs(t.spans()):
         if phase not in _PHASE_SHORT:
             continue
         ax.axvline(lo, color="grey", linestyle=":", linewidth=0.8)
         name = _PHASE_SHORT[phase] + (f" {micro}" if micros and phase != "optimizer step" else "")
         ax.text((lo + hi) / 2, 1.01, name, transform=top, ha="center", va="bottom",
                 fontsize="x-small")  # fmt: skip
+
+
+def _phase_runs(spans: list) -> list:
+    """``Timeline.spans()`` with optimizer steps taken inside backward (lesson 16) folded into
+    that backward, named "bwd + opt", so that each parameter's step does not get a label."""
+    pairs = itertools.pairwise(spans)
+    if not any(a[0] == "optimizer step" and b[0] == "backward" for a, b in pairs):
+        return spans  # the usual step: one optimizer step after backward
+    out: list = []
+    for phase, micro, lo, hi in spans:
+        inside = out and out[-1][0] in ("backward", "bwd + opt") and out[-1][1] == micro
+        if inside and phase in ("optimizer step", "backward"):
+            was = out[-1][0]
+            out[-1] = ("bwd + opt" if phase != was else was, micro, out[-1][2], hi)
+        else:
+            out.append((phase, micro, lo, hi))
+    return out
 
 
 def memory_timelines(panels: Mapping, ncols: int = 2, title: str = "",

@@ -167,3 +167,19 @@ def test_the_savers_need_the_stage_model():
         estimate("llama-tiny", 2, 16, path="traced", optimizer_in_backward=True)
     with pytest.raises(ValueError, match="estimated by the stage model"):
         estimate("gpt2-tiny", 2, 16, loss_chunk=8)
+
+
+def test_the_timeline_of_steps_inside_backward_is_drawn_readably():
+    from helpers.plots import memory_timeline
+    from helpers.timeline import measure_timeline
+    from tests.plot_checks import figure_problems
+
+    cfg = RunConfig(model="llama-tiny", batch_size=1, seq_len=16, optimizer_in_backward=True)
+    timeline = measure_timeline(cfg, isolate=False)
+    assert "optimizer step" in timeline.phase  # each parameter's step, between backward's ops
+    fig = memory_timeline(timeline, title="steps inside backward")
+    assert figure_problems(fig) == []
+    # One label for backward and its steps, not one per parameter (they would overlap).
+    labels = [t.get_text() for t in fig.axes[0].texts if t.get_text() in
+              ("fwd", "bwd", "opt", "bwd + a step per parameter")]  # fmt: skip
+    assert labels == ["fwd", "bwd + a step per parameter"], labels

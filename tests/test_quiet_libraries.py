@@ -120,3 +120,14 @@ def test_torchao_kernel_and_pytree_enum_notices_are_silenced_in_a_fresh_process(
     assert "Failed to load" in loud.stderr and "Enum subclass" in loud.stderr
     assert "Failed to load" not in quiet.stderr and "Enum subclass" not in quiet.stderr
     assert quiet.stderr.strip() == "", quiet.stderr
+
+
+def test_the_fork_server_asks_nvml_not_cuda_whether_cuda_is_available():
+    # torch's fork-safe availability check, set by the module the fork server imports first.
+    code = "import os, helpers._fork_server\nprint(os.environ['PYTORCH_NVML_BASED_CUDA_CHECK'])"
+    env = {
+        k: v for k, v in __import__("os").environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"
+    }
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, env=env)  # fmt: skip
+    assert done.stdout.strip() == "1"
