@@ -68,6 +68,15 @@ def why_skip(check: str, device: torch.device) -> str | None:
         return "tf32 tensor cores need an NVIDIA GPU of compute capability 8.0 or newer"
     if check == "pinned memory" and not cuda:
         return f"{device.type}: nothing to pin memory for (no accelerator to copy to)"
+    if check == "fp8 (torchao)" and (not cuda or dev.gpu_info(device).capability < (8, 9)):
+        return "fp8 matmuls need an NVIDIA GPU of compute capability 8.9 or newer"
+    if check == "fused cross-entropy (Liger)" and not cuda:
+        return "Liger Kernel's fused loss is a Triton kernel for CUDA GPUs"
+    if check == "two processes (DDP)" and not cuda:
+        return (
+            f"{device.type}: lesson 17 runs its processes on the CPU over gloo, as "
+            "tests/test_beyond_one_gpu.py does; this check is for GPU hosts (NCCL)"
+        )
     return None
 
 
@@ -287,6 +296,43 @@ def _throughput(device: str) -> dict:
     return {"flops_per_s": flops / timing.median, "detail": f"{FULL.encoder} b{batch} s{seq}"}
 
 
+def _fp8(device: str) -> str:
+    from helpers.lessons.more_memory import fp8_problem, fp8_run
+    from helpers.train import RunConfig
+
+    d = dev.resolve(device)
+    problem = fp8_problem(d)
+    if problem:
+        return f"skipped: {problem}"
+    cfg = RunConfig(model="llama-tiny", attn="sdpa", precision="bf16", device=device, flops=False)
+    run = fp8_run(cfg, True, steps=3)
+    return f"llama-tiny, float8 Linear layers in bf16 autocast: loss {run.losses[-1]:.3f}"
+
+
+def _fused_loss(device: str) -> str:
+    from helpers.lessons.more_memory import big_vocab_config, fused_loss_peak, fused_loss_skip
+    from helpers.train import RunConfig
+
+    d = dev.resolve(device)
+    skip = fused_loss_skip(d)
+    if skip:
+        return f"skipped: {skip}"
+    peak = fused_loss_peak(RunConfig(model=big_vocab_config(), batch_size=2, device=device))
+    return f"a 128k-vocabulary step with the fused loss: {peak / MiB:.0f} MiB allocated at most"
+
+
+def _two_processes(device: str) -> str:
+    from dataclasses import replace
+
+    from helpers.lessons.beyond_one_gpu import launch, lesson_config
+    from helpers.scale import TINY
+
+    cfg, placement = lesson_config(TINY)
+    result = launch(replace(cfg, strategy="ddp", launcher="torchrun"))
+    where = f"{placement.backend} on {placement.device.type}"
+    return f"{len(result.ranks)} DDP processes under torchrun, {where}, {result.wall_s:.0f} s"
+
+
 # The checks, the lessons that need them, and the function that tries each.
 CHECKS: list[tuple[str, tuple[str, ...], object, dict]] = [
     ("budget cap", ("00", "02", "08", "14"), _budget_cap, {}),
@@ -307,8 +353,12 @@ CHECKS: list[tuple[str, tuple[str, ...], object, dict]] = [
     ("torch.compile", ("12",), _compile, {}),
     ("DataLoader workers", ("11",), _dataloader, {}),
     ("pinned memory", ("11",), _dataloader, {"pin": True}),
+    ("fp8 (torchao)", ("16",), _fp8, {}),
+    ("fused cross-entropy (Liger)", ("16",), _fused_loss, {}),
+    ("two processes (DDP)", ("17",), _two_processes, {}),
 ]
-NEEDS_OWN_PROCESSES = {"DataLoader workers", "pinned memory", "DeepSpeed CPU offload"}
+NEEDS_OWN_PROCESSES = {"DataLoader workers", "pinned memory", "DeepSpeed CPU offload",
+                       "two processes (DDP)"}  # fmt: skip
 
 
 def run_preflight(

@@ -12,7 +12,11 @@ CUDA = torch.device("cuda", 0)
 def test_a_cpu_skips_the_gpu_only_checks_and_runs_the_rest():
     cpu = torch.device("cpu")
     skipped = {name for name, *_ in CHECKS if why_skip(name, cpu)}
-    assert skipped == {"allocator view", "NVML view", "CUDA context", "tf32", "pinned memory"}
+    gpu_only = {"fp8 (torchao)", "fused cross-entropy (Liger)", "two processes (DDP)"}
+    assert (
+        skipped
+        == {"allocator view", "NVML view", "CUDA context", "tf32", "pinned memory"} | gpu_only
+    )
 
 
 @pytest.mark.parametrize("key", ["t4", "v100"])
@@ -22,6 +26,34 @@ def test_pre_ampere_cards_skip_bf16_and_tf32_and_say_why(monkeypatch, key):
     assert "8.0" in why_skip("tf32", CUDA)
     assert why_skip("fp16 + GradScaler", CUDA) is None
     assert why_skip("pinned memory", CUDA) is None and why_skip("CUDA context", CUDA) is None
+
+
+@pytest.mark.parametrize(("key", "fp8"), [("a100-80", False), ("l4", True), ("h100", True)])
+def test_fp8_is_tried_from_compute_capability_8_9(monkeypatch, key, fp8):
+    FakeGpu(monkeypatch, [PROFILES[key]])
+    assert (why_skip("fp8 (torchao)", CUDA) is None) == fp8
+    assert why_skip("fused cross-entropy (Liger)", CUDA) is None
+    assert why_skip("two processes (DDP)", CUDA) is None
+
+
+def test_the_optional_packages_skip_with_how_to_install(monkeypatch):
+    # On a GPU that could run them, a missing torchao or liger-kernel is a skip that says
+    # what to install, not a failure (both are optional for the course).
+    import importlib.util
+
+    from helpers import preflight
+
+    FakeGpu(monkeypatch, [PROFILES["h100"]])
+    real = importlib.util.find_spec
+    hide = lambda name, *a: None if name in ("torchao", "liger_kernel") else real(name, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", hide)
+    assert preflight._fp8("cuda:0").startswith(
+        "skipped: "
+    ) and "pip install torchao" in preflight._fp8("cuda:0")
+    assert (
+        preflight._fused_loss("cuda:0")
+        == "skipped: liger-kernel is not installed (pip install liger-kernel)"
+    )
 
 
 def test_an_h100_runs_every_check(monkeypatch):
@@ -67,3 +99,23 @@ def test_the_snapshot_check_reads_back_what_the_allocator_recorded(monkeypatch):
     result = preflight._memory_snapshot("cuda:0")
     assert result.startswith("snapshot with 4 allocator events"), result
     assert gpu.history is None  # recording is off again
+
+
+def test_the_two_process_check_launches_ddp_and_says_where(monkeypatch):
+    # The launch itself is driven by tests/test_beyond_one_gpu.py; here, what the check asks
+    # for and what it reports (on a CPU it is skipped, so nothing else runs this function).
+    from types import SimpleNamespace
+
+    import helpers.lessons.beyond_one_gpu as lesson17
+    from helpers import preflight
+
+    asked = []
+
+    def fake_launch(cfg):
+        asked.append((cfg.strategy, cfg.launcher, cfg.world_size))
+        return SimpleNamespace(ranks=[0, 1], wall_s=12.0)
+
+    monkeypatch.setattr(lesson17, "launch", fake_launch)
+    detail = preflight._two_processes("cpu")
+    assert asked == [("ddp", "torchrun", 2)]
+    assert detail == "2 DDP processes under torchrun, gloo on cpu, 12 s"
