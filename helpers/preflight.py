@@ -284,16 +284,25 @@ def _dataloader(device: str, pin: bool = False) -> str:
 
 def _throughput(device: str) -> dict:
     """Training FLOP/s of the full scale's encoder here (fp32, counted FLOPs / measured time)."""
+    from helpers.models import load_config
     from helpers.scale import FULL
     from helpers.timing import time_fn, train_flops
     from helpers.train import RunConfig, Trainee
 
     d = dev.resolve(device)
+    model, detail = FULL.encoder, FULL.encoder
+    if not dev.is_cuda(d):
+        # On a CPU: the encoder's width (its matmul shapes) with 4 of its 24 layers, at b1 s64.
+        # All 24 took 27 s of a 48 s preflight to build and step. Timed interleaved against
+        # them on a 2-core EPYC, 4 layers ran at 41-50 GFLOP/s and 24 at 31-36 (more of the
+        # 5 GB of AdamW state streamed per step), so CPU estimates err ~1.3x on the short side.
+        config = load_config(FULL.encoder).to_dict()
+        model, detail = {**config, "num_hidden_layers": 4}, f"{FULL.encoder}'s width, 4 layers"
     batch, seq = (FULL.batch_size, FULL.seq_len) if dev.is_cuda(d) else (1, 64)
-    trainee = Trainee(RunConfig(model=FULL.encoder, batch_size=batch, seq_len=seq, device=device))
+    trainee = Trainee(RunConfig(model=model, batch_size=batch, seq_len=seq, device=device))
     flops = train_flops(trainee.step)
     timing = time_fn(trainee.step, d, warmup=1, repeats=3)
-    return {"flops_per_s": flops / timing.median, "detail": f"{FULL.encoder} b{batch} s{seq}"}
+    return {"flops_per_s": flops / timing.median, "detail": f"{detail} b{batch} s{seq}"}
 
 
 def _fp8(device: str) -> str:

@@ -33,9 +33,6 @@ from helpers.models import build_model, enable_checkpointing, load_config, task_
 from helpers.quiet import quiet_libraries
 from helpers.train import make_optimizer, quiet_trainer, trainer_arguments
 
-with quiet_libraries():  # the Trainer's modules import peft, which imports bitsandbytes
-    from transformers import TrainerCallback
-
 # The Trainer's ``optim=`` name for each of helpers.train.make_optimizer's names.
 TRAINER_OPTIM = {"adamw8bit": "adamw_bnb_8bit", "adamw": "adamw_torch", "sgd": "sgd",
                  "adafactor": "adafactor"}  # fmt: skip
@@ -114,19 +111,25 @@ class StepMeter:
             self.result.step_times.append(time.perf_counter() - self.start)
 
 
-class MeterSteps(TrainerCallback):
-    """A Trainer callback that hands each optimizer step (all its micro-batches) to a meter."""
+def meter_steps(meter: StepMeter):
+    """A Trainer callback that hands each optimizer step (all its micro-batches) to ``meter``.
 
-    def __init__(self, meter: StepMeter) -> None:
-        self.meter = meter
+    Built on first use: the Trainer's modules import peft and bitsandbytes (seconds), which the
+    Accelerate loop's processes (lessons 07 and 17) never need.
+    """
+    with quiet_libraries():  # the Trainer's modules import peft, which imports bitsandbytes
+        from transformers import TrainerCallback
 
-    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        """The Trainer starts an optimizer step."""
-        self.meter.begin(state.global_step, model, optimizer, next(model.parameters()).device)
+    class MeterSteps(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            """The Trainer starts an optimizer step."""
+            meter.begin(state.global_step, model, optimizer, next(model.parameters()).device)
 
-    def on_step_end(self, args, state, control, **kwargs):
-        """The Trainer has stepped the optimizer."""
-        self.meter.end()
+        def on_step_end(self, args, state, control, **kwargs):
+            """The Trainer has stepped the optimizer."""
+            meter.end()
+
+    return MeterSteps()
 
 
 def _dataset(cfg: LoopConfig, kind: str, n: int):
@@ -302,7 +305,7 @@ def trainer_run(cfg: LoopConfig) -> LoopResult:
         model.accepts_loss_kwargs = False
     data = _dataset(cfg, task_kind(config), cfg.max_steps * cfg.gradient_accumulation_steps)
     result = _result_for(model)
-    callback = MeterSteps(StepMeter(cfg.track_step, result))
+    callback = meter_steps(StepMeter(cfg.track_step, result))
     with tempfile.TemporaryDirectory() as out:
         args = _trainer_arguments(cfg, os.path.join(out, "trainer"))
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
