@@ -183,6 +183,7 @@ class Trainee:
         self.n_params = count_params(self.model)
         self.n_tensors = len(list(self.model.parameters()))
         self.optimizer = self._optimizer()
+        self.loss_of = self._loss_of()  # how a batch becomes a loss (built once)
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "fp16" else None
         if self.device.type == "cuda":  # fp32 matmuls on tf32 tensor cores, or plain fp32
             device_api.set_tf32(cfg.precision == "tf32")
@@ -230,7 +231,7 @@ class Trainee:
         batches = (self.batch() for _ in range(c.grad_accum))
         loss = train_step(
             self.model, self.optimizer, batches, accumulate=c.grad_accum,
-            precision=c.precision, scaler=self.scaler, loss_of=self._loss_of(),
+            precision=c.precision, scaler=self.scaler, loss_of=self.loss_of,
         )  # fmt: skip
         self.losses.append(float(loss))
         return self.losses[-1]

@@ -41,7 +41,6 @@ class _Walk:
     where: str = ""
     moments: list[PredictedMoment] | None = None  # every moment, when asked for (timeline)
     base: int = 0  # bytes of the model state under every moment (weights, buffers, state)
-    pending: int = 0  # optimizer in backward: a tied weight's gradient waiting for its second
 
     def seen(self, total: int, label: str, grads: int = 0, acts: int = 0, temps: int = 0) -> None:
         """Note a moment's total bytes; the first moment of a new maximum names the peak."""
@@ -138,7 +137,7 @@ def _backward(stages: list[Stage], walk: _Walk, base: int, grads: int, act: int,
             act -= st.checkpoint_input
         copies -= st.copies
         if steps is not None:
-            pending = _step_in_backward(st, walk, base + act, copies + pending, steps.get(st.name))
+            pending = _step_in_backward(st, walk, base + act, copies, pending, steps.get(st.name))
             continue
         grads += 0 if accumulate else st.grads
         if st.pending_grads and not accumulate:  # with accumulation p.grad already exists
@@ -148,18 +147,16 @@ def _backward(stages: list[Stage], walk: _Walk, base: int, grads: int, act: int,
             pending = 0
 
 
-def _step_in_backward(st: Stage, walk: _Walk, floor: int, temp: int, step) -> int:
+def _step_in_backward(st: Stage, walk: _Walk, floor: int, copies: int, pending: int, step) -> int:
     """A stage's parameters stepped as its backward ends, one gradient alive at a time (the
-    largest, and its step's scratch), over ``temp`` (16-bit copies of the stages still to
-    come, and a tied gradient pending); returns the tied gradient still pending after it."""
+    largest, and its step's scratch), over the 16-bit copies of the stages still to come and a
+    tied gradient ``pending``; returns the tied gradient still pending after this stage."""
     one, scratch = step or (0, 0)
-    pending = walk.pending
     if st.name == "embed" and pending:  # the tied weight's two gradients, summed, step here
         one, pending = max(one, pending), 0
-    temp += pending - walk.pending + scratch
+    temp = copies + pending + scratch
     if one:
         walk.temporaries = max(walk.temporaries, temp)
         walk.seen(floor + one + temp, f"optimizer step in backward: {st.name}",
                   one, floor - walk.base, temp)  # fmt: skip
-    walk.pending = pending + st.pending_grads
-    return walk.pending
+    return pending + st.pending_grads
