@@ -69,3 +69,30 @@ def test_accumulate_steps_once_per_window_with_the_big_batch_gradient(k):
 def test_accumulation_demo_refuses_a_window_that_does_not_divide_the_micro_batches():
     with pytest.raises(ValueError, match="must divide 12"):
         lesson.accumulation_demo(5)
+
+
+class _Writes:
+    """A stdout that keeps each write() call apart, as an unbuffered pipe does."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_the_script_writes_its_json_line_in_one_write(monkeypatch):
+    # Under `accelerate launch` every process writes to the same pipe. Unbuffered
+    # (PYTHONUNBUFFERED=1), a line written in two pieces can be split by the other process's.
+    result = lesson.LoopResult(losses=[0.5, 0.25], n_params=3, process_index=1, num_processes=2)
+    monkeypatch.setattr(lesson, "train_loop", lambda cfg: result)
+    out = _Writes()
+    monkeypatch.setattr("sys.stdout", out)
+    assert lesson.main(["--max-steps", "2"]) == 0
+    assert len(out.calls) == 1 and out.calls[0].endswith("\n")
+    row = json.loads(out.calls[0])
+    assert row["losses"] == [0.5, 0.25] and row["process_index"] == 1

@@ -22,6 +22,7 @@ Both measure their steps with one ``StepMeter``. ``accumulation_demo`` is the le
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -331,5 +332,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.add_argument(flag, type=type(value), default=value)
     cfg = LoopConfig(**vars(parser.parse_args(argv)))
     result = train_loop(cfg)
-    print(json.dumps({**asdict(result), "step_time": result.step_time}, default=str))
+    line = json.dumps({**asdict(result), "step_time": result.step_time}, default=str)
+    # One write per process: unbuffered (PYTHONUNBUFFERED=1), print() sends the text and its
+    # newline as two writes, and two processes finishing together glue their lines together.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     return 0
