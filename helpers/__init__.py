@@ -7,7 +7,9 @@ Core machinery, flat: ``lesson`` (a notebook's opening line: ``L = lesson("05")`
 training step ``train_step`` with its switches, ``measure``), ``isolate``, ``results``,
 ``plots``; the estimator and planner (the subpackage
 ``estimator``: model, state, stages, encoder, decoder, simulate, api, plan), what each lesson
-runs at the full scale (``fullscale``), the host's ``preflight``, the command line (``cli``:
+runs at the full scale (``fullscale``), the host's ``preflight``, the proof on a GPU
+(``gpu_check``), the tested version range and its API differences (``compat``), the command
+line (``cli``:
 ``python -m helpers ...``) and the memory calculator for JupyterLab (``calculator``: call
 ``helpers.calculator()``; imported on first use). The lessons' own machinery lives in
 ``helpers.lessons``, one module per notebook, named like it (``helpers.lessons.data_loading``

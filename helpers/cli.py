@@ -318,25 +318,54 @@ def _fit(args) -> int:
 
 
 def _doctor(args) -> int:
-    """Check that the course's libraries import; say what is missing and how to get it."""
-    import importlib
+    """Each package the course uses: its version against the tested range, what a missing
+    optional one costs (helpers.compat). Exit 1 when a required package is missing or older
+    than the oldest version tested."""
+    from helpers.compat import package_report
 
-    needed = ["torch", "transformers", "accelerate", "datasets", "peft", "matplotlib", "pandas",
-              "pynvml", "nbval", "ipykernel", "jupyterlab"]  # fmt: skip
-    optional = ["bitsandbytes", "deepspeed"]
-    missing = []
-    for name in needed + optional:
-        try:
-            importlib.import_module(name)
-        except Exception as err:  # ImportError, or a package that fails while importing
-            if name in needed:
-                missing.append(name)
-            print(f"{'missing' if name in needed else 'optional, missing'}: {name} ({err})")
-    if missing:
-        print(f"install what is missing, e.g. pip install {' '.join(missing)}")
+    report = package_report()
+    for status in report:
+        print(status.line())
+    problems = [s.package.distribution for s in report if s.problem]
+    if problems:
+        print(f"required packages missing or too old: {' '.join(problems)}; install them, e.g. "
+              f"pip install {' '.join(problems)}")  # fmt: skip
         return 1
-    print("all required packages import")
+    print("every required package imports, within the tested range or newer")
     return 0
+
+
+def _gpu_check(args) -> int:
+    """Parts a-d of helpers.gpu_check within the deadline; 1 if something failed."""
+    from pathlib import Path
+
+    from helpers.gpu_check import GpuCheckConfig, reports_markdown, run_gpu_check
+
+    if args.summary:
+        print(reports_markdown(), end="")
+        return 0
+    if args.deadline <= 0:
+        return _fail("--deadline must be positive (minutes)")
+    lessons = tuple(args.lessons.split(",")) if args.lessons else None
+    cfg = GpuCheckConfig(args.deadline, Path(args.out) if args.out else None, args.quick,
+                         lessons, args.device)  # fmt: skip
+    try:
+        result, path = run_gpu_check(cfg, say=lambda text: print(text, flush=True))
+    except ValueError as err:  # an unknown lesson, a device that is not here
+        return _fail(str(err))
+    print(f"report: {path} (and {path.with_suffix('.json').name})")
+    for problem in result.problems:
+        print(f"problem: {problem}")
+    return 1 if result.problems else 0
+
+
+def _gpu_check_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--deadline", type=float, default=9.0, help="minutes (default 9)")
+    p.add_argument("--out", default=None, help="report folder (default: reports/gpu on a GPU)")
+    p.add_argument("--quick", action="store_true", help="make test's short version")
+    p.add_argument("--lessons", default="", help='notebooks, e.g. "00,09" (default: all)')
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: the accelerator)")
+    p.add_argument("--summary", action="store_true", help="README's table of the GPU reports")
 
 
 def _run_arguments(p: argparse.ArgumentParser) -> None:
@@ -399,7 +428,8 @@ COMMANDS = {
     "claims": (_claims, _claims_argument, "how the lessons' speed claims came out"),
     "preflight": (_preflight, _device_argument, "try every hardware feature the lessons use"),
     "hardware": (_hardware, None, "print the hardware report"),
-    "doctor": (_doctor, None, "check the course's packages"),
+    "doctor": (_doctor, None, "the course's packages against the tested versions"),
+    "gpu-check": (_gpu_check, _gpu_check_arguments, "prove the course on this machine (a GPU)"),
 }
 
 

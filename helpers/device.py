@@ -130,6 +130,12 @@ def gpu_info(device: torch.device) -> GpuInfo:
     )
 
 
+def cudnn_version() -> str:
+    """cuDNN's version as torch reports it (e.g. "91900"), or "none" without cuDNN."""
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return str(version) if version else "none"
+
+
 def bf16_native(device: torch.device) -> bool:
     """bf16 arithmetic in hardware: compute capability 8.0 (Ampere) or newer.
 
@@ -242,6 +248,12 @@ class Cap:
     allocator_limit: int  # what the caching allocator may reserve: budget - context
     fraction: float  # the same as a fraction of the card's total memory
     clamped: bool  # the budget was larger than the card: the limit is the whole card
+    context_why: str = ""  # why the context was assumed, not measured (empty when measured)
+
+    def describe_context(self) -> str:
+        """The context and where its size came from, e.g. "context 512 MiB, assumed: ..."."""
+        why = f": {self.context_why}" if self.context_why else ""
+        return f"context {self.context / MiB:.0f} MiB, {self.context_source}{why}"
 
 
 def cap_allocator(device: torch.device, budget: int) -> Cap:
@@ -256,7 +268,7 @@ def cap_allocator(device: torch.device, budget: int) -> Cap:
     dev = resolve(device)
     total = gpu_info(dev).total_memory
     torch.cuda.synchronize(dev)  # creates this process's context if it has none, for NVML to see
-    context, source = process_context_bytes(dev)
+    context, source, why = process_context_bytes(dev)
     limit = min(budget, total) - context
     if limit <= 0:
         raise ValueError(
@@ -265,7 +277,7 @@ def cap_allocator(device: torch.device, budget: int) -> Cap:
         )
     fraction = float(limit / total)
     torch.cuda.set_per_process_memory_fraction(fraction, dev)
-    return Cap(budget, context, source, limit, fraction, budget > total)
+    return Cap(budget, context, source, limit, fraction, budget > total, why)
 
 
 def uncap_allocator(device: torch.device) -> None:
@@ -273,25 +285,33 @@ def uncap_allocator(device: torch.device) -> None:
     torch.cuda.set_per_process_memory_fraction(1.0, resolve(device))
 
 
-def process_context_bytes(device: torch.device) -> tuple[int, str]:
+def process_context_bytes(device: torch.device) -> tuple[int, str, str]:
     """This process's CUDA context on ``device`` per NVML, else ``ASSUMED_CONTEXT``.
 
+    Returns ``(bytes, source, why)``: source "NVML" or "assumed", and why it was assumed.
     NVML lists the bytes each process uses on the GPU (context + what its allocator
-    reserved); the difference to torch's reserved bytes is the context. Inside a container
-    NVML may list host process ids that do not match ours: then the assumption is used.
+    reserved); the difference to torch's reserved bytes is the context. It cannot always
+    say: inside a container or on a virtual GPU NVML often refuses the per-process list
+    (NoPermission, NotSupported), or lists host process ids that do not match ours. Then the
+    assumption is used, and ``why`` says which of these happened.
     """
     dev = resolve(device)
     try:
         with nvml_handle(dev) as (nvml, handle):
-            procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            try:
+                procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            except nvml.NVMLError as err:
+                return ASSUMED_CONTEXT, "assumed", f"NVML refused the process list ({err})"
             used = next((p.usedGpuMemory for p in procs if p.pid == os.getpid()), None)
-    except NvmlUnavailable:
-        used = None
-    if used:
-        reserved = int(torch.cuda.memory_reserved(dev))
-        if used > reserved:
-            return int(used - reserved), "NVML"
-    return ASSUMED_CONTEXT, "assumed"
+    except NvmlUnavailable as err:
+        return ASSUMED_CONTEXT, "assumed", str(err)
+    if not used:
+        why = "NVML does not list this process (a container shows the host's process ids)"
+        return ASSUMED_CONTEXT, "assumed", why
+    reserved = int(torch.cuda.memory_reserved(dev))
+    if used <= reserved:
+        return ASSUMED_CONTEXT, "assumed", "NVML lists no more than the allocator reserved"
+    return int(used - reserved), "NVML", ""
 
 
 def cuda_context_bytes() -> int | None:

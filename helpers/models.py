@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from helpers import compat
+
 # Encoder families train sequence classification; everything else trains a causal LM.
 ENCODER_TYPES = {"bert", "roberta", "distilbert", "electra", "albert", "deberta", "deberta-v2",
                  "xlm-roberta", "modernbert"}  # fmt: skip
@@ -91,27 +93,19 @@ def count_params(model: torch.nn.Module, trainable_only: bool = False) -> int:
 def enable_checkpointing(model: torch.nn.Module, context_fn=None) -> None:
     """Turn on transformers' activation (gradient) checkpointing, non-reentrant.
 
-    transformers 5 renamed ``gradient_checkpointing_enable`` to
-    ``activation_checkpointing_enable`` (the old name warns and goes in v6); use whichever
-    this version has. ``context_fn``: ``torch.utils.checkpoint``'s (the contexts for the
-    forward and for the recomputation).
+    ``context_fn``: ``torch.utils.checkpoint``'s (the contexts for the forward and for the
+    recomputation). The method's name depends on the transformers version (helpers.compat).
     """
     model.config.use_cache = False  # training never uses the KV cache; checkpointing forbids it
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is None:
-        enable = model.gradient_checkpointing_enable
     kwargs = {"use_reentrant": False}
     if context_fn is not None:
         kwargs["context_fn"] = context_fn
-    enable(kwargs)
+    compat.checkpointing_enable(model, kwargs)
 
 
 def disable_checkpointing(model: torch.nn.Module) -> None:
     """Turn transformers' activation checkpointing off again (``enable_checkpointing``'s undo)."""
-    disable = getattr(model, "activation_checkpointing_disable", None)
-    if disable is None:
-        disable = model.gradient_checkpointing_disable
-    disable()
+    compat.checkpointing_disable(model)
 
 
 # LoRA (lesson 13): what RunConfig(lora_r=...) and the estimator apply to a model.

@@ -100,7 +100,7 @@ def _budget_cap(device: str) -> str:
     if dev.is_cuda(d):
         return (
             f"allocator capped at {capped.allocator_limit / GiB:.2f} GiB of a 2 GiB budget "
-            f"(context {capped.context / MiB:.0f} MiB, {capped.context_source})"
+            f"({capped.describe_context()})"
         )
     return "the tracker raised OutOfMemoryError past a 64 MiB budget"
 
@@ -371,9 +371,17 @@ NEEDS_OWN_PROCESSES = {"DataLoader workers", "pinned memory", "DeepSpeed CPU off
 
 
 def run_preflight(
-    device: str | torch.device | None = None, timeout: float = 300
+    device: str | torch.device | None = None,
+    timeout: float = 300,
+    names: tuple[str, ...] | None = None,
+    stop_at: float | None = None,
 ) -> PreflightResult:
-    """Every check in a fresh process, then the rough full-scale time per lesson."""
+    """Every check in a fresh process, then the rough full-scale time per lesson.
+
+    ``names``: only these checks (None: all). ``stop_at``: a ``time.monotonic()`` moment after
+    which no check starts; those left are "skipped" with the reason (``make gpu-check``'s
+    deadline).
+    """
     from helpers.fullscale import fit_scale, lesson_experiments
     from helpers.hardware import hardware_report
     from helpers.isolate import call_isolated
@@ -383,9 +391,13 @@ def run_preflight(
     report = hardware_report(d)
     result = PreflightResult(str(d), report.name, get_scale(device=d).describe(d))
     for name, lessons, fn, kwargs in CHECKS:
+        if names is not None and name not in names:
+            continue
         check = Check(name, lessons)
         skip = why_skip(name, d)
-        if skip:
+        if stop_at is not None and time.monotonic() > stop_at:
+            check.status, check.detail = "skipped", "not started: the run's deadline was near"
+        elif skip:
             check.status, check.detail = "skipped", skip
         else:
             start = time.perf_counter()

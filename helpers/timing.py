@@ -229,6 +229,9 @@ def by_op_class(op_seconds: dict[str, float]) -> dict[str, float]:
 # median is the estimate; how far the rounds scatter says whether the claim is decided.
 
 STRICT_ENV = "COURSE_STRICT_TIMING"  # "1": an undecided speed claim fails (make test does this)
+# "report": no speed claim fails, each is only logged ($COURSE_CLAIMS) and printed. make
+# gpu-check sets it: notebooks run side by side there, so their timings disturb each other.
+SPEED_CLAIMS_ENV = "COURSE_SPEED_CLAIMS"
 CLAIMS_ENV = "COURSE_CLAIMS"  # JSON-lines file every checked claim is appended to
 
 
@@ -439,6 +442,8 @@ def check_claims(comparison: Comparison, claims, lesson: str = "") -> list[str]:
                    "interval": comparison.interval(*pair) if ran else None}  # fmt: skip
             with open(os.environ[CLAIMS_ENV], "a") as f:
                 f.write(json.dumps(row) + "\n")
+    if os.environ.get(SPEED_CLAIMS_ENV) == "report":
+        return lines
     if wrong:
         raise AssertionError("speed claim decided the other way:\n" + "\n".join(wrong))
     if undecided and os.environ.get(STRICT_ENV) == "1":

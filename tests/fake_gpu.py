@@ -25,8 +25,9 @@ torch's sources in site-packages and NVIDIA's documentation:
 - NVML: physical numbering independent of ``CUDA_VISIBLE_DEVICES`` (plain indices, UUIDs,
   MIG UUIDs), MIG slices under a parent in MIG mode, per-query errors such as
   ``NoPermission`` (a MIG parent's memory query as an unprivileged user; every query in the
-  "no-permission" mode), utilisation ``NotSupported`` on a MIG slice, and a missing driver
-  library.
+  "no-permission" mode), utilisation ``NotSupported`` on a MIG slice, the per-process list
+  refused (``NoPermission`` or ``NotSupported``, as in containers and on virtual GPUs), and a
+  missing driver library.
 
 Usage (pytest): ``gpu = FakeGpu(monkeypatch, [PROFILES["t4"]])``; ``gpu.allocate(nbytes)``
 moves the fake allocator, ``gpu.fraction`` shows the cap that was set.
@@ -140,15 +141,19 @@ class FakeGpu:
         nvml: str = "ok",
         mig_reports_parent_uuid: bool = False,
         context: int = 400 * 2**20,
+        processes: str = "ok",
     ) -> None:
         """``cards``: the physical GPUs (a MIG profile brings its parent, in MIG mode).
 
         ``visible``: CUDA_VISIBLE_DEVICES as a user would set it (indices or UUIDs, with the
         ``GPU-``/``MIG-`` prefixes). ``nvml``: "ok", "missing" (no driver library),
         "no-permission" (memory queries refused) or "absent" (the package is not installed).
+        ``processes``: the per-process list (``nvmlDeviceGetComputeRunningProcesses``): "ok",
+        or refused as containers and virtual GPUs often do: "no-permission", "not-supported".
         """
         self.mp = monkeypatch
         self.context = context
+        self.processes = processes
         self.physical: list[_NvmlDevice] = []
         for card in cards:
             if card.mig_of:
@@ -412,6 +417,10 @@ class FakeGpu:
 
     def _nvml_processes(self, handle):
         d = _check(handle)
+        refused = {"no-permission": pynvml.NVML_ERROR_NO_PERMISSION,
+                   "not-supported": pynvml.NVML_ERROR_NOT_SUPPORTED}  # fmt: skip
+        if self.processes in refused:
+            raise pynvml.NVMLError(refused[self.processes])
         return [
             types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=held) for held in self._held(d)
         ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import inspect
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,24 @@ def test_the_script_writes_its_json_line_in_one_write(monkeypatch):
     assert len(out.calls) == 1 and out.calls[0].endswith("\n")
     row = json.loads(out.calls[0])
     assert row["losses"] == [0.5, 0.25] and row["process_index"] == 1
+
+
+def test_the_script_falls_back_to_adamw_without_bitsandbytes(monkeypatch, capsys):
+    # A GPU image often lacks bitsandbytes: the script's default 8-bit AdamW must not kill it.
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails, find_spec: None
+    ran = []
+    monkeypatch.setattr(lesson, "train_loop", lambda cfg: ran.append(cfg) or lesson.LoopResult())
+    assert lesson.main(["--max-steps", "1"]) == 0
+    assert ran[0].optimizer == "adamw"
+    assert "bitsandbytes is not installed" in capsys.readouterr().err
+    # Asked for by name, it says what to do instead of training something else.
+    with pytest.raises(SystemExit) as stop:
+        lesson.main(["--optimizer", "adamw8bit"])
+    assert stop.value.code == 2 and "pick --optimizer adamw" in capsys.readouterr().err
+
+
+def test_the_script_trains_with_adamw_when_bitsandbytes_is_missing(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    assert lesson.main(["--max-steps", "1", "--mixed-precision", "no", "--cpu"]) == 0
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert len(row["losses"]) == 1 and row["losses"][0] > 0

@@ -24,9 +24,16 @@ from helpers.calculator import (
     calculator_figure,
     evaluate,
 )
+from helpers.compat import importable
 from helpers.estimator import estimate
 from helpers.scale import config_path
 from tests.plot_checks import figure_problems
+
+# The live calculator is ipywidgets; without it calculator() falls back to the static table
+# (tested here too), as on a GPU image that lacks ipywidgets.
+needs_widgets = pytest.mark.skipif(
+    not importable("ipywidgets"), reason="ipywidgets is not installed: the static table is shown"
+)
 
 
 def test_importing_helpers_stays_cheap_and_the_calculator_is_callable():
@@ -55,6 +62,7 @@ def test_outside_a_kernel_the_default_is_the_static_table():
     assert isinstance(calculator(), StaticCalculator)
 
 
+@needs_widgets
 def test_the_widget_carries_its_view_and_the_static_table():
     calc = calculator(interactive=True)
     assert isinstance(calc, Calculator)
@@ -65,6 +73,7 @@ def test_the_widget_carries_its_view_and_the_static_table():
     assert calc.plot.outputs[0]["data"]["image/png"]  # the figure, drawn
 
 
+@needs_widgets
 def test_changing_a_control_updates_the_estimate_and_the_verdict():
     calc = calculator(interactive=True, batch_size=1)
     before, verdict = calc.estimate, calc.verdict.value
@@ -76,6 +85,7 @@ def test_changing_a_control_updates_the_estimate_and_the_verdict():
     assert "H100" in calc.verdict.value and "H100" in calc.figure.axes[1].get_title()
 
 
+@needs_widgets
 def test_a_big_model_on_a_small_card_does_not_fit():
     calc = calculator("llama-7b", seq_len=512, interactive=True)
     assert "does not fit" in calc.verdict.value and calc.result.fits is False
@@ -90,6 +100,7 @@ def test_a_big_model_on_a_small_card_does_not_fit():
         ("batch_size", 0, "must be positive"),
     ],
 )
+@needs_widgets
 def test_a_setting_the_estimator_refuses_is_one_red_line(control, value, message):
     calc = calculator(interactive=True)
     calc.controls[control].value = value  # does not raise
@@ -103,6 +114,7 @@ def test_a_setting_the_estimator_refuses_is_one_red_line(control, value, message
     assert calc.estimate is not None and calc.error == ""
 
 
+@needs_widgets
 def test_a_config_path_typed_in_overrides_the_model_list(tmp_path):
     data = json.loads(config_path("llama-tiny").read_text())
     data["num_hidden_layers"] = 4
@@ -114,6 +126,7 @@ def test_a_config_path_typed_in_overrides_the_model_list(tmp_path):
     assert calc.estimate == estimate(str(path), 4, 256, device="cuda")
 
 
+@needs_widgets
 def test_suggest_names_the_fastest_setup_that_fits():
     calc = calculator("llama-tiny", card="t4", interactive=True)
     calc.suggest_button.click()
@@ -124,6 +137,7 @@ def test_suggest_names_the_fastest_setup_that_fits():
     assert calc.plan is None and "ask again" in calc.suggestion.value
 
 
+@needs_widgets
 def test_suggest_on_a_refused_setting_is_one_red_line():
     calc = calculator(interactive=True)
     calc.controls["seq_len"].value = 5000
@@ -165,6 +179,7 @@ def test_the_calculator_figure_reads_cleanly(setting):
     assert len(fig.axes[1].lines) == 2  # the card's usable and total memory
 
 
+@needs_widgets
 def test_the_widgets_figure_reads_cleanly():
     calc = calculator(interactive=True)
     assert figure_problems(calc.figure) == []

@@ -108,6 +108,36 @@ def test_cap_subtracts_this_process_context_measured_by_nvml(monkeypatch):
     assert cap.allocator_limit == 16 * GiB - 600 * MiB
 
 
+@pytest.mark.parametrize("refusal", ["no-permission", "not-supported"])
+def test_a_refused_process_list_falls_back_to_the_assumed_context(monkeypatch, refusal):
+    # Containers and virtual GPUs often refuse nvmlDeviceGetComputeRunningProcesses: the cap
+    # (and every budgeted experiment) must still work, with the context assumed and said why.
+    gpu = FakeGpu(monkeypatch, [PROFILES["h100"]], processes=refusal)
+    gpu.allocate(2 * GiB)
+    cap = dev.cap_allocator(torch.device("cuda", 0), 16 * GiB)
+    assert cap.context == dev.ASSUMED_CONTEXT and cap.context_source == "assumed"
+    assert "refused the process list" in cap.context_why
+    assert "assumed: NVML refused the process list" in cap.describe_context()
+    assert cap.allocator_limit == 16 * GiB - dev.ASSUMED_CONTEXT
+    with memory_budget(16 * GiB) as capped:  # what every budgeted experiment goes through
+        assert capped.context_source == "assumed"
+    assert gpu.fraction == 1.0
+
+
+def test_the_context_is_assumed_and_said_why_without_nvml(monkeypatch):
+    FakeGpu(monkeypatch, [PROFILES["t4"]], nvml="absent")
+    cap = dev.cap_allocator(torch.device("cuda", 0), 8 * GiB)
+    assert cap.context_source == "assumed" and "nvidia-ml-py is not installed" in cap.context_why
+
+
+def test_the_context_is_assumed_while_nvml_does_not_list_this_process(monkeypatch):
+    gpu = FakeGpu(monkeypatch, [PROFILES["t4"]])  # NVML works, but lists no process of ours yet
+    cap = dev.cap_allocator(torch.device("cuda", 0), 8 * GiB)
+    assert cap.context_source == "assumed" and "does not list this process" in cap.context_why
+    gpu.allocate(GiB)
+    assert dev.cap_allocator(torch.device("cuda", 0), 8 * GiB).context_why == ""
+
+
 def test_a_budget_larger_than_the_card_is_the_whole_card(monkeypatch):
     gpu = FakeGpu(monkeypatch, [PROFILES["t4"]])
     cap = dev.cap_allocator(torch.device("cuda", 0), 16 * GiB)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
+from helpers.compat import is_checkpointing
 from helpers.lessons.gradient_checkpointing import (
     PairedTimingResult,
     block_stack,
@@ -72,10 +73,9 @@ def test_enable_checkpointing_is_quiet_and_switches_layers_on():
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # the deprecated name must not be used
         enable_checkpointing(model)
-    flag = getattr(model, "is_activation_checkpointing", None)
-    if flag is None:  # transformers before the rename
-        flag = model.is_gradient_checkpointing
-    assert flag and model.config.use_cache is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # nor by the check below
+        assert is_checkpointing(model) and model.config.use_cache is False
 
 
 def test_paired_timing_and_measure():

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from helpers.compat import importable
 from helpers.isolate import run
 from helpers.memory import CategoryTracker, memory_budget
 from helpers.train import RunConfig, Trainee, measure
@@ -185,21 +186,32 @@ print(json.dumps(out))
 """
 
 
-def test_the_usual_preload_never_asks_cuda_but_bitsandbytes_does():
-    # Why preload_list leaves extras out on a GPU: a fork server that initialised CUDA hands
-    # children a CUDA they cannot use.
+def _cuda_questions(modules: list[str]) -> dict:
+    """What each module asks torch.cuda when imported (in a fresh interpreter)."""
     import json
     import subprocess
     import sys
 
-    from helpers import isolate
-
-    modules = [m for m in isolate._PRELOAD if m != "torch"] + ["bitsandbytes"]
     done = subprocess.run(
         [sys.executable, "-c", CUDA_PROBE, *modules], capture_output=True, text=True, check=True
     )
-    asked = json.loads(done.stdout.strip().splitlines()[-1])
-    assert all(asked[m] == [] for m in modules[:-1]), asked
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_usual_preload_never_asks_cuda():
+    # Why preload_list leaves extras out on a GPU: a fork server that initialised CUDA hands
+    # children a CUDA they cannot use; the usual modules never ask.
+    from helpers import isolate
+
+    modules = [m for m in isolate._PRELOAD if m != "torch"]
+    asked = _cuda_questions(modules)
+    assert all(asked[m] == [] for m in modules), asked
+
+
+@pytest.mark.skipif(not importable("bitsandbytes"), reason="bitsandbytes is not installed")
+def test_bitsandbytes_asks_cuda_when_imported():
+    # The extra that preload_list leaves out on a GPU, and why.
+    asked = _cuda_questions(["bitsandbytes"])
     assert "is_available" in asked["bitsandbytes"], asked
 
 

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from helpers.compat import is_checkpointing
 from helpers.lessons.more_memory import (
     CHECKPOINTING,
     FP8_CAPABILITY,
@@ -90,7 +91,7 @@ def test_set_checkpointing_switches_and_refuses_unknown_settings():
     trainee = Trainee(BASE)
     for mode, on in (("full", True), ("none", False), ("selective", True), ("offload", False)):
         set_checkpointing(trainee.model, mode)
-        assert trainee.model.is_activation_checkpointing == on, mode
+        assert is_checkpointing(trainee.model) == on, mode
     with pytest.raises(ValueError, match="unknown setting"):
         set_checkpointing(trainee.model, "half")
 

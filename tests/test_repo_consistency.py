@@ -118,6 +118,24 @@ def test_binder_matches_pyproject():
     assert _pins(requirements, "binder/requirements.txt") == pyproject_pins()
 
 
+def test_the_tested_range_spans_the_pins_and_the_floor():
+    # helpers.compat.TESTED is what doctor reports against: its two ends are the two
+    # environments the suite runs in, pyproject's pins (make test) and the floor (make compat).
+    from helpers.compat import TESTED, _release
+
+    pins = pyproject_pins()
+    floor = _pins(
+        [line.split("#")[0].strip() for line in (ROOT / "requirements" / "floor.txt").read_text()
+         .splitlines() if line.split("#")[0].strip()],
+        "requirements/floor.txt",
+    )  # fmt: skip
+    for name, (low, high) in TESTED.items():
+        ends = sorted({pins[name], floor.get(name, pins[name])}, key=_release)
+        assert [low, high] == [ends[0], ends[-1]], (name, low, high, ends)
+    for name in ("torch", "transformers", "accelerate"):  # the image's own versions
+        assert floor[name] == TESTED[name][0]
+
+
 def test_binder_runtime_and_postbuild():
     assert (ROOT / "binder" / "runtime.txt").read_text().strip() == "python-3.11"
     post_build = ROOT / "binder" / "postBuild"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.compat import importable
 from helpers.estimator import estimate
 from helpers.estimator import traced as T
 from helpers.estimator.plan import card_precisions, plan_for_card
@@ -59,7 +60,14 @@ def test_fake_tensors_match_the_real_tracker(model, setting):
     assert est.peak == real.peak
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw8bit"])
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        "sgd",
+        pytest.param("adamw8bit", marks=pytest.mark.skipif(
+            not importable("bitsandbytes"), reason="bitsandbytes is not installed")),
+    ],
+)  # fmt: skip
 def test_other_optimizers_on_fake_tensors(optimizer):
     # SGD's step is traced; 8-bit AdamW's comes from helpers.estimator.state (bitsandbytes
     # builds its quantisation map from numbers, which fake tensors do not have).

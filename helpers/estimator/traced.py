@@ -53,14 +53,16 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
+from helpers import compat
 from helpers.memory import CATEGORY, CategoryTracker
 from helpers.names import AUTOCAST
 
 # CUDA's autocast lists (ATen/autocast_mode.h), by the name a Python call carries.
-# AT_FORALL_FP32: every floating input is cast to fp32 first.
-CUDA_FP32_OPS = frozenset(
+# AT_FORALL_FP32: every floating input is cast to fp32 first. The list of the installed torch:
+# ops added in later releases come from helpers.compat.
+CUDA_FP32_OPS = compat.cuda_autocast_fp32_ops(frozenset(
     "acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow "
-    "softplus layer_norm native_layer_norm rms_norm group_norm frobenius_norm nuclear_norm "
+    "softplus layer_norm native_layer_norm group_norm frobenius_norm nuclear_norm "
     "cosine_similarity poisson_nll_loss cosine_embedding_loss nll_loss nll_loss2d "
     "hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss mse_loss "
     "margin_ranking_loss multilabel_margin_loss soft_margin_loss triplet_margin_loss "
@@ -68,7 +70,7 @@ CUDA_FP32_OPS = frozenset(
     "upsample_nearest1d _upsample_nearest_exact1d upsample_nearest2d _upsample_nearest_exact2d "
     "upsample_nearest3d _upsample_nearest_exact3d upsample_linear1d upsample_bilinear2d "
     "_upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa".split()
-)
+))  # fmt: skip
 # AT_FORALL_FP32_SET_OPT_DTYPE: the op computes in fp32 (dtype=float32) unless given a dtype.
 CUDA_FP32_DTYPE_OPS = frozenset(
     "prod softmax log_softmax cumprod cumsum linalg_vector_norm linalg_matrix_norm sum".split()
@@ -285,7 +287,7 @@ def _trace(config, b, s, precision, gc, attn, accum, device_type, lora_r, lora_t
     kind = task_kind(config)
     cuda = device_type == "cuda"
     mode = FakeTensorMode()
-    with quiet_libraries(), mode, _moves_within_cpu_skipped(), _never_packed(), _cpu_grouped_mm():
+    with quiet_libraries(), mode, _as_a_real_run():
         model = build_model(config, attn, dtype=torch.bfloat16 if half else torch.float32)
         layers = _layers_name(model, config.num_hidden_layers)
         semantics = CudaSemantics(precision != "fp32") if cuda else None
@@ -300,6 +302,7 @@ def _trace(config, b, s, precision, gc, attn, accum, device_type, lora_r, lora_t
             with FakeCopyMode(mode):
                 model = apply_lora(model, lora_r, lora_targets)
         model.train()
+        compat.skip_idle_layerdrop(model)  # older transformers draw a number per layer
         batch = random_batch(kind, b, s, config.vocab_size)
         tracker = _MomentTracker(model, layers, config.num_hidden_layers, cuda)
         tracker.track_external(model)
@@ -502,6 +505,13 @@ def _cpu_grouped_mm():
 
 
 @contextlib.contextmanager
+def _as_a_real_run():
+    """Every rule below at once: the answers that make a trace take a real run's path."""
+    with _moves_within_cpu_skipped(), _never_packed(), _no_padding(), _cpu_grouped_mm():
+        yield
+
+
+@contextlib.contextmanager
 def _never_packed():
     """transformers' answer for the course's batches: no packed sequences.
 
@@ -519,6 +529,36 @@ def _never_packed():
         yield
     finally:
         masking_utils.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def _no_padding():
+    """transformers' answer for the course's batches: no padding, so SDPA may use ``is_causal``.
+
+    Where a model passes an attention mask of ones (OPT builds one itself before transformers
+    5.2x), transformers asks whether every position is kept before it drops the mask; a fake
+    tensor cannot answer, so it builds the b x s x s mask that a real run of the same batch
+    never builds. The course's batches have no padding: the answer on real tensors is yes.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+    from transformers import masking_utils
+
+    def unpadded(original):
+        def ask(padding_mask, *args, **kwargs):
+            return original(None if isinstance(padding_mask, FakeTensor) else padding_mask,
+                            *args, **kwargs)  # fmt: skip
+
+        return ask
+
+    names = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+    originals = {n: getattr(masking_utils, n) for n in names if hasattr(masking_utils, n)}
+    for name, original in originals.items():
+        setattr(masking_utils, name, unpadded(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(masking_utils, name, original)
 
 
 @contextlib.contextmanager

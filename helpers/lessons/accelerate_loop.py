@@ -24,10 +24,11 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from helpers.compat import missing_optional
 from helpers.data import MarkovTask, markov_dataset
 from helpers.memory import CategoryTracker
 from helpers.models import build_model, enable_checkpointing, load_config, task_kind
@@ -331,6 +332,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             parser.add_argument(flag, type=type(value), default=value)
     cfg = LoopConfig(**vars(parser.parse_args(argv)))
+    missing = missing_optional("bitsandbytes") if cfg.optimizer == "adamw8bit" else None
+    if missing:
+        asked = any(a.startswith("--optimizer") for a in (sys.argv[1:] if argv is None else argv))
+        if asked:  # asked for by name: say what to do rather than train something else
+            parser.error(f"--optimizer adamw8bit: {missing}, or pick --optimizer adamw")
+        # The default, as lesson 07 does: the loop stays the same with torch's AdamW.
+        sys.stderr.write(f"{missing}: 8-bit AdamW replaced by AdamW\n")
+        cfg = replace(cfg, optimizer="adamw")
     result = train_loop(cfg)
     line = json.dumps({**asdict(result), "step_time": result.step_time}, default=str)
     # One write per process: unbuffered (PYTHONUNBUFFERED=1), print() sends the text and its

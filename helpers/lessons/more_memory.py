@@ -86,6 +86,7 @@ def offloaded_loss(device: torch.device) -> Callable:
 
 def set_checkpointing(model: torch.nn.Module, mode: str) -> None:
     """Switch ``model``'s layers to ``mode``'s checkpointing (none and offload: off)."""
+    from helpers.compat import is_checkpointing
     from helpers.models import disable_checkpointing, enable_checkpointing
 
     if mode not in CHECKPOINTING:
@@ -94,7 +95,7 @@ def set_checkpointing(model: torch.nn.Module, mode: str) -> None:
         enable_checkpointing(model)
     elif mode == "selective":
         enable_checkpointing(model, context_fn=selective_context_fn())
-    elif model.is_activation_checkpointing:
+    elif is_checkpointing(model):
         disable_checkpointing(model)
 
 

@@ -1,0 +1,780 @@
+"""``python -m helpers gpu-check``: the course proven on the machine at hand, within a deadline.
+
+A host with a GPU runs it once (``make gpu-check``). It installs nothing, and it writes its
+report as it goes (Markdown and JSON, ``reports/gpu/<date>-<card>.md``), so a run killed
+half-way still leaves what it found. The parts, in order of value:
+
+a. the environment (card, driver, CUDA, versions against the tested range) and the preflight;
+b. the estimator against the real allocator: settings run each in a fresh process, predicted
+   bytes per category next to the tracker's, and the peak next to the allocator's
+   ``max_memory_allocated`` and ``max_memory_reserved`` and NVML, the gaps named;
+d. the capstone's nine recipes, which are among b's runs: samples/s, device memory and MFU next
+   to the guide's V100 table (rendered from b's records, so it costs no extra time);
+c. the lessons: every notebook in a fresh kernel at the tiny scale, then at the full scale in
+   an order that puts first the lessons no earlier report covered, as long as time is left.
+   Speed claims are reported, not failing (``COURSE_SPEED_CLAIMS=report``).
+
+On a CPU the same command is the rehearsal: every part at the tiny scale and a short subset of
+notebooks. ``--quick`` is the version ``make test`` runs, so the command cannot rot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+from helpers import compat
+from helpers.isolate import call_isolated
+from helpers.names import GiB, MiB, human_bytes
+from helpers.train import RunConfig, measure
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: notebooks/, tools/, reports/
+REPORTS = ROOT / "reports" / "gpu"  # committed reports: where a GPU run writes by default
+CATEGORIES = ("params", "gradients", "optimizer_state", "activations", "temporaries")
+# Full-scale lessons in order of value: the capstone, then the memory lessons whose numbers
+# the estimator predicts, then speed; earlier reports' coverage moves lessons to the end.
+FULL_ORDER = ("14", "00", "01", "05", "02", "03", "04", "06", "15", "16", "13", "10", "07",
+              "09", "12", "11", "08", "17")  # fmt: skip
+REHEARSAL_LESSONS = ("00", "09")  # on a CPU: a short subset (about half a minute)
+PARALLEL = {"tiny": 3, "full": 2}  # notebooks at once on one GPU (a CPU runs one at a time)
+
+
+@dataclass
+class GpuCheckConfig:
+    """What ``gpu-check`` runs: its deadline, where the report goes, how much."""
+
+    deadline_min: float = 9.0
+    out: Path | None = None  # default: reports/gpu on a GPU, build/gpu-check elsewhere
+    quick: bool = False  # make test's version: a few settings, one notebook, two checks
+    lessons: tuple[str, ...] | None = None  # notebooks by number or path (None: the default)
+    device: str | None = None
+
+
+@dataclass
+class GpuCheckResult:
+    """The report: what each part found, written after every step."""
+
+    started: str
+    device: str
+    card: str
+    deadline_min: float
+    environment: dict = field(default_factory=dict)
+    packages: list[str] = field(default_factory=list)
+    preflight: str = ""
+    estimator: list[dict] = field(default_factory=list)
+    capstone: list[dict] = field(default_factory=list)
+    lessons: list[dict] = field(default_factory=list)
+    order: str = ""  # the full-scale order and why
+    not_reached: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    finished: bool = False
+
+    @property
+    def problems(self) -> list[str]:
+        """What failed: a preflight check, an estimator run, a notebook."""
+        out = [f"estimator: {r['label']}: {r['error']}" for r in self.estimator if r.get("error")]
+        out += [f"lesson {r['lesson']} ({r['scale']}): {r['outcome']}" for r in self.lessons
+                if r["outcome"] == "failed"]  # fmt: skip
+        if "checks fail" in self.preflight:  # format_result's last line when one fails
+            out.append("preflight: " + self.preflight.strip().splitlines()[-1])
+        return out
+
+
+class Clock:
+    """Seconds left until the deadline."""
+
+    def __init__(self, minutes: float) -> None:
+        self.start = time.monotonic()
+        self.end = self.start + 60 * minutes
+
+    def left(self) -> float:
+        """Seconds left (negative once past)."""
+        return self.end - time.monotonic()
+
+    def spent(self) -> float:
+        """Seconds since the start."""
+        return time.monotonic() - self.start
+
+
+@dataclass
+class _Run:
+    """One run's state, handed to each part: its settings, report, clock and outlets."""
+
+    cfg: GpuCheckConfig
+    result: GpuCheckResult
+    clock: Clock
+    write: Callable[[], None]  # the report to disk, as it stands
+    say: Callable[[str], None]  # one line of progress (the command prints it)
+
+
+# --------------------------------------------------------------------------------------------
+# a. The environment
+
+
+def environment(device: str | None) -> dict:
+    """The card, driver, CUDA and library versions (run in a fresh process: asking the card
+    creates a CUDA context, which would stay in every later NVML reading of this process)."""
+    import platform
+
+    import torch
+
+    from helpers.device import cudnn_version, gpu_info, is_cuda, nvml_summary, resolve
+    from helpers.hardware import cpu_name
+    from helpers.scale import get_scale
+
+    d = resolve(device)
+    env = {
+        "device": str(d),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda (torch build)": torch.version.cuda or "none",
+        "cpu": f"{cpu_name()}, {os.cpu_count()} logical cores",
+        "scale": get_scale(device=d).describe(d),
+    }
+    if is_cuda(d):
+        info = gpu_info(d)
+        env.update({
+            "card": info.name,
+            "memory": f"{info.total_memory / GiB:.1f} GiB ({info.total_memory:,} B)",
+            "compute capability": f"{info.capability[0]}.{info.capability[1]}",
+            "multiprocessors": info.multiprocessors,
+            "cudnn": cudnn_version(),
+            "nvml": nvml_summary(d),
+        })  # fmt: skip
+    else:
+        env["card"] = cpu_name()
+    return env
+
+
+def _part_a(run: _Run):
+    """The environment and the preflight; returns the PreflightResult (its minutes per lesson
+    pace part c's full scale)."""
+    from helpers.preflight import format_result, run_preflight
+
+    cfg, result, clock = run.cfg, run.result, run.clock
+    out = call_isolated(environment, cfg.device, timeout=120)
+    result.environment = out.value if out.error is None else {"error": out.error}
+    result.card = result.environment.get("card", result.card)
+    result.packages = [s.line() for s in compat.package_report()]
+    run.write()
+    run.say("[a] " + "; ".join(f"{k}: {v}" for k, v in result.environment.items() if k != "scale"))
+    names = ("budget cap", "allocator view") if cfg.quick else None
+    pre = run_preflight(cfg.device, timeout=min(300.0, max(30.0, clock.left() / 3)), names=names,
+                        stop_at=clock.end - _reserve(cfg))  # fmt: skip
+    result.preflight = format_result(pre)
+    run.write()
+    run.say(result.preflight)
+    return pre
+
+
+def _reserve(cfg: GpuCheckConfig) -> float:
+    """Seconds kept for parts b to d when the preflight runs long."""
+    return 0.0 if cfg.quick else 60 * min(6.0, 0.6 * cfg.deadline_min)
+
+
+# --------------------------------------------------------------------------------------------
+# b. The estimator against the real allocator (and d, the capstone, from the same runs)
+
+
+def estimator_settings(device: str | None, quick: bool = False) -> dict[str, RunConfig]:
+    """The settings part b runs: the capstone's nine recipes on the encoder, then the decoder
+    with SDPA in 16-bit, a family only the traced estimator knows, LoRA and tf32."""
+    from helpers.device import resolve, tf32_capable
+    from helpers.hardware import precision_problem
+    from helpers.lessons.putting_it_together import SEED_RECIPES, half_precision, recipe_config
+    from helpers.scale import get_scale
+
+    d = resolve(device)
+    scale = get_scale(device=d)
+    base = scale.run_config(device=str(d), repeats=max(3, scale.repeats), label="vanilla")
+    half = half_precision(d)  # the capstone's: fp16 as in the guide, bf16 where it is refused
+    bf16 = "bf16" if precision_problem("bf16", d) is None else half  # the decoder's
+    recipes = SEED_RECIPES[:4:3] if quick else SEED_RECIPES  # quick: vanilla and 16-bit
+    out = {r.label: recipe_config(r, base, half) for r in recipes}
+    if quick:
+        return out
+    decoder = replace(base, model=scale.decoder, attn="sdpa", flops=False, repeats=2)
+    traced = "qwen3-0.6b" if scale.name == "full" else "qwen3-tiny"
+    out[f"{scale.decoder} sdpa {bf16}"] = replace(decoder, precision=bf16)
+    small = max(1, base.batch_size // 4)
+    out[f"{traced} sdpa {bf16} (traced)"] = replace(decoder, model=traced, precision=bf16,
+                                                    batch_size=small)  # fmt: skip
+    out[f"{scale.decoder} LoRA r16 {bf16}"] = replace(decoder, precision=bf16, lora_r=16,
+                                                      lora_targets="all-linear")  # fmt: skip
+    if tf32_capable(d):
+        out[f"{scale.encoder} tf32"] = replace(base, precision="tf32", flops=False)
+    return {label: replace(c, label=label) for label, c in out.items()}
+
+
+def _gap(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a - b
+
+
+def estimator_row(label: str, cfg: RunConfig, record) -> dict:
+    """Predicted and measured bytes of one setting, and the gaps between the memory views."""
+    from helpers.estimator import estimate_run
+
+    row = {"label": label, "config": cfg.as_dict()}
+    if not record.ok:
+        row["error"] = record.error
+        return row
+    est = estimate_run(cfg)
+    mem, alloc = record.memory, record.allocator or {}
+    allocated, reserved = alloc.get("allocated"), alloc.get("reserved")
+    row.update(
+        path=est.path,
+        predicted={k: getattr(est, k) for k in (*CATEGORIES, "peak")},
+        tracked={k: int(mem[k]) for k in (*CATEGORIES, "peak")},
+        max_allocated=allocated,
+        max_reserved=reserved,
+        nvml_used=record.nvml_used,
+        allocated_minus_tracked=_gap(allocated, int(mem["peak"])),
+        reserved_minus_allocated=_gap(reserved, allocated),
+        nvml_minus_reserved=_gap(record.nvml_used, reserved),
+        samples_per_s=record.samples_per_s,
+        mfu=record.mfu,
+        hfu=record.hfu,
+        step_times=record.step_times,
+        seconds=record.wall_s,
+    )
+    return row
+
+
+def worst_category(row: dict) -> tuple[str, float] | None:
+    """The category (or the peak) whose predicted/tracked ratio is farthest from 1."""
+    if "predicted" not in row:
+        return None
+    ratios = {k: row["predicted"][k] / row["tracked"][k] for k in row["tracked"]
+              if row["tracked"][k]}  # fmt: skip
+    if not ratios:
+        return None
+    key = max(ratios, key=lambda k: abs(ratios[k] - 1))
+    return key, ratios[key]
+
+
+def _part_b(run: _Run) -> dict:
+    """Every setting in a fresh process; returns the records by label (part d reads them)."""
+    cfg, result, clock = run.cfg, run.result, run.clock
+    settings = estimator_settings(cfg.device, cfg.quick)
+    records = {}
+    for n, (label, run_cfg) in enumerate(settings.items(), 1):
+        if clock.left() < 30:
+            result.not_reached.append(f"estimator: {label} and the settings after it")
+            break
+        started = time.perf_counter()
+        out = call_isolated(measure, run_cfg, timeout=max(30.0, min(300.0, clock.left() - 10)))
+        record = out.value if out.error is None else _failed_record(run_cfg, out.error)
+        records[label] = record
+        row = estimator_row(label, run_cfg, record)
+        result.estimator.append(row)
+        run.write()
+        took = time.perf_counter() - started
+        run.say(f"[b] {n}/{len(settings)} {_estimator_line(row)} ({took:.0f} s)")
+    return records
+
+
+def _failed_record(run_cfg: RunConfig, error: str):
+    from helpers.results import Record
+
+    return Record(run_cfg.as_dict(), error=error, error_type="oom" if "OutOfMemory" in error
+                  else "error")  # fmt: skip
+
+
+def _estimator_line(row: dict) -> str:
+    if "error" in row:
+        return f"{row['label']}: {row['error']}"
+    pred, tracked = row["predicted"]["peak"], row["tracked"]["peak"]
+    line = f"{row['label']}: peak predicted {human_bytes(pred)}, tracked {human_bytes(tracked)}"
+    if row["max_allocated"] is not None:
+        line += f", allocator {human_bytes(row['max_allocated'])}"
+    return line
+
+
+def _part_d(records: dict, result: GpuCheckResult) -> None:
+    from helpers.lessons.putting_it_together import SEED_RECIPES, ablation_table
+
+    mine = {r.label: records[r.label] for r in SEED_RECIPES if r.label in records}
+    if not mine:
+        result.not_reached.append("capstone: no recipe ran")
+        return
+    table = ablation_table(mine)
+    for label, row in table.iterrows():
+        rec = mine.get(label)
+        entry = {"recipe": label, **{k: _plain(v) for k, v in row.items()}}
+        entry["mfu"] = rec.mfu if rec is not None and rec.ok else None
+        entry["hfu"] = rec.hfu if rec is not None and rec.ok else None
+        result.capstone.append(entry)
+
+
+def _plain(value):
+    """A pandas cell as JSON: NaN and missing as None, numpy numbers as Python's."""
+    try:
+        if value != value:  # NaN
+            return None
+    except (TypeError, ValueError):
+        return None
+    return value.item() if hasattr(value, "item") else value
+
+
+# --------------------------------------------------------------------------------------------
+# c. The lessons in fresh kernels
+
+
+def notebook_paths(lessons: tuple[str, ...] | None) -> list[Path]:
+    """The notebooks named by number ("05") or path; None: every lesson in notebooks/."""
+    every = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    if lessons is None:
+        return every
+    out = []
+    for item in lessons:
+        path = Path(item)
+        if path.suffix == ".ipynb":
+            out.append(path.resolve())
+            continue
+        match = [p for p in every if p.name.startswith(f"{int(item):02d}_")]
+        if not match:
+            raise ValueError(f"no notebook for lesson {item!r} in {ROOT / 'notebooks'}")
+        out.append(match[0])
+    return out
+
+
+def lesson_number(path: Path) -> str:
+    """ "05" for notebooks/05_mixed_precision.ipynb; the file's stem for any other notebook."""
+    match = re.match(r"(\d\d)_", path.name)
+    return match.group(1) if match else path.stem
+
+
+@dataclass
+class _Running:
+    path: Path
+    scale: str
+    proc: subprocess.Popen
+    started: float
+    claims: Path
+    out_dir: Path
+
+
+def _launch(path: Path, scale: str, work: Path, device: str | None) -> _Running:
+    """Execute one notebook in a fresh kernel, in a process of its own (tools/run_course.py)."""
+    out_dir = work / scale
+    out_dir.mkdir(parents=True, exist_ok=True)
+    claims = out_dir / f"{path.stem}.claims.jsonl"
+    claims.unlink(missing_ok=True)
+    env = {**os.environ, "COURSE_SCALE": scale, "COURSE_CLAIMS": str(claims),
+           "COURSE_RESULTS": str(out_dir / "results.jsonl"), "COURSE_PROGRESS": "0",
+           "COURSE_SPEED_CLAIMS": "report",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           }  # fmt: skip
+    if device:
+        env["COURSE_DEVICE"] = device
+    cmd = [sys.executable, str(ROOT / "tools" / "run_course.py"), "--no-tables", "--out",
+           str(out_dir), str(path)]  # fmt: skip
+    with open(out_dir / f"{path.stem}.log", "w") as log:  # the child keeps its own handle
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                start_new_session=True)  # fmt: skip
+    return _Running(path, scale, proc, time.monotonic(), claims, out_dir)
+
+
+def notebook_error(executed: Path) -> str:
+    """The first error output of an executed notebook: cell number, exception and message."""
+    if not executed.is_file():
+        return "no executed copy was written"
+    nb = json.loads(executed.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    for n, cell in enumerate(code, 1):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                value = str(out.get("evalue", "")).strip().splitlines()
+                return f"code cell {n}: {out.get('ename')}: {value[0] if value else ''}"[:500]
+    return ""
+
+
+def claims_summary(path: Path) -> dict:
+    """The speed claims a notebook checked: counts by verdict, and the lines not holding."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+    odd = [f"{r['claim']}: {r['verdict']}" for r in rows if r["verdict"] != "holds"]
+    return {"counts": counts, "not_holding": odd}
+
+
+def _finish(run: _Running, killed: bool) -> dict:
+    seconds = time.monotonic() - run.started
+    executed = run.out_dir / run.path.name
+    if killed:
+        outcome, error = "stopped at the deadline", notebook_error(executed)
+    elif run.proc.returncode == 0:
+        outcome, error = "passed", ""
+    else:
+        outcome = "failed"
+        error = notebook_error(executed) or _log_tail(run.out_dir / f"{run.path.stem}.log")
+    return {"lesson": lesson_number(run.path), "notebook": run.path.name, "scale": run.scale,
+            "outcome": outcome, "seconds": round(seconds, 1), "error": error,
+            "claims": claims_summary(run.claims)}  # fmt: skip
+
+
+def _log_tail(path: Path, lines: int = 3) -> str:
+    text = path.read_text().strip().splitlines() if path.is_file() else []
+    return " | ".join(text[-lines:])[:500]
+
+
+def _stop(run: _Running) -> None:
+    import signal
+
+    try:
+        os.killpg(run.proc.pid, signal.SIGKILL)  # the runner and its kernel
+    except ProcessLookupError:
+        pass
+    run.proc.wait()
+
+
+def run_notebooks(
+    paths: list[Path], scale: str, work: Path, clock: Clock, parallel: int, on_done,
+    device: str | None = None, estimate_s=None,
+) -> None:  # fmt: skip
+    """Execute ``paths`` at ``scale``, ``parallel`` at a time, until the deadline.
+
+    ``on_done(row)`` receives each notebook's outcome as it ends. ``estimate_s(path)``, if
+    given, is a notebook's expected seconds: one is not started when fewer are left.
+    """
+    queue, running = list(paths), []
+    while queue or running:
+        while queue and len(running) < parallel:
+            need = estimate_s(queue[0]) if estimate_s else 30.0
+            if clock.left() < need:
+                path = queue.pop(0)
+                on_done(_not_started(path, scale, need, clock.left()))
+                continue
+            running.append(_launch(queue.pop(0), scale, work, device))
+        time.sleep(0.5)
+        for run in list(running):
+            over = clock.left() <= 0
+            if run.proc.poll() is None and not over:
+                continue
+            if over and run.proc.poll() is None:
+                _stop(run)
+                on_done(_finish(run, killed=True))
+            else:
+                on_done(_finish(run, killed=False))
+            running.remove(run)
+
+
+def _not_started(path: Path, scale: str, need: float, left: float) -> dict:
+    why = f"not started: about {need / 60:.1f} min needed, {max(0.0, left) / 60:.1f} min left"
+    return {"lesson": lesson_number(path), "notebook": path.name, "scale": scale,
+            "outcome": "not started", "seconds": 0.0, "error": why,
+            "claims": {"counts": {}, "not_holding": []}}  # fmt: skip
+
+
+def covered_earlier(reports: Path) -> set[str]:
+    """Lessons an earlier report (in ``reports``) ran to the end at the full scale on a GPU."""
+    done = set()
+    for path in sorted(reports.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not str(data.get("device", "")).startswith("cuda"):
+            continue
+        done |= {r["lesson"] for r in data.get("lessons", [])
+                 if r.get("scale") == "full" and r.get("outcome") == "passed"}  # fmt: skip
+    return done
+
+
+def full_order(paths: list[Path], covered: set[str]) -> tuple[list[Path], str]:
+    """The full-scale order: FULL_ORDER, lessons no earlier report covered first."""
+    rank = {lesson: i for i, lesson in enumerate(FULL_ORDER)}
+    ordered = sorted(paths, key=lambda p: rank.get(lesson_number(p), len(rank)))
+    fresh = [p for p in ordered if lesson_number(p) not in covered]
+    again = [p for p in ordered if lesson_number(p) in covered]
+    why = ("full scale, in order of value (the capstone, the memory lessons, then speed), "
+           f"lessons not yet covered by an earlier report first: "
+           f"{' '.join(lesson_number(p) for p in fresh + again)}")  # fmt: skip
+    if again:
+        why += f" (already covered: {' '.join(sorted(lesson_number(p) for p in again))})"
+    return fresh + again, why
+
+
+def _part_c(run: _Run, work: Path, minutes: dict[str, float]) -> None:
+    """Every notebook at the tiny scale, then the full scale (on a GPU) while time is left."""
+    cfg, result, clock = run.cfg, run.result, run.clock
+    missing = [m for m in ("nbclient", "ipykernel") if not compat.importable(m)]
+    if missing:
+        result.not_reached.append(
+            f"lessons: {' and '.join(missing)} not installed here, so no notebook can run "
+            "(for a GPU host: make gpu-wheels, then carry .whl; see README)"
+        )
+        run.write()
+        return
+    on_gpu = result.device.startswith("cuda")
+
+    def done(row: dict) -> None:
+        result.lessons.append(row)
+        run.write()
+        run.say(f"[c] lesson {row['lesson']} ({row['scale']}): {row['outcome']} in "
+                f"{row['seconds']:.0f} s {row['error']}".rstrip())  # fmt: skip
+
+    default = None if on_gpu else REHEARSAL_LESSONS
+    paths = notebook_paths(cfg.lessons if cfg.lessons is not None else default)
+    run_notebooks(paths, "tiny", work, clock, PARALLEL["tiny"] if on_gpu else 1, done, cfg.device)
+    if not on_gpu or "scale=full" not in result.environment.get("scale", ""):
+        why = "the scale here is tiny ($COURSE_SCALE, or a card too small for the full scale)"
+        result.order = (
+            f"tiny scale only: {'the full scale runs on a CUDA GPU' if not on_gpu else why}"
+        )
+        run.write()
+        return
+    ordered, result.order = full_order(paths, covered_earlier(REPORTS))
+    run.write()
+
+    def need(path: Path) -> float:  # the preflight's FLOP-based minutes, with margin
+        return 60 * (1.5 * minutes.get(lesson_number(path), 1.0) + 0.5)
+
+    run_notebooks(ordered, "full", work, clock, PARALLEL["full"], done, cfg.device, need)
+
+
+# --------------------------------------------------------------------------------------------
+# The run and its report
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60]
+
+
+def report_paths(out: Path, card: str, when: datetime) -> tuple[Path, Path]:
+    """``<out>/<date>-<card>.md`` and ``.json``; a second run the same day gets ``-2``..."""
+    stem = f"{when:%Y-%m-%d}-{_slug(card)}"
+    n, name = 1, stem
+    while (out / f"{name}.json").exists():
+        n += 1
+        name = f"{stem}-{n}"
+    return out / f"{name}.md", out / f"{name}.json"
+
+
+def run_gpu_check(
+    cfg: GpuCheckConfig, say: Callable[[str], None] = lambda text: None
+) -> tuple[GpuCheckResult, Path]:
+    """Run parts a, b, d and c within the deadline; the result and the Markdown report's path.
+
+    The report is rewritten after every step; ``say`` receives one line per step.
+    """
+    from helpers.device import is_cuda, resolve
+
+    clock = Clock(cfg.deadline_min)
+    d = resolve(cfg.device)
+    cfg = replace(cfg, device=str(d))
+    now = datetime.now(timezone.utc)
+    result = GpuCheckResult(now.strftime("%Y-%m-%d %H:%M UTC"), str(d), d.type, cfg.deadline_min)
+    out = cfg.out or (REPORTS if is_cuda(d) else ROOT / "build" / "gpu-check")
+    out.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+
+    def write() -> None:
+        if not paths:  # named once the card is known (part a)
+            paths.extend(report_paths(out, result.card, now))
+        result.seconds = round(clock.spent(), 1)
+        _atomic(paths[1], json.dumps(asdict(result), indent=1, default=str))
+        _atomic(paths[0], render_markdown(result, cfg))
+
+    run = _Run(cfg, result, clock, write, say)
+    preflight = _part_a(run)
+    records = _part_b(run)
+    _part_d(records, result)
+    write()
+    _part_c(run, ROOT / "build" / "gpu-check" / "executed", preflight.lesson_minutes)
+    result.finished = True
+    write()
+    return result, paths[0]
+
+
+def _atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Markdown
+
+
+def _mib(nbytes) -> str:
+    return "" if nbytes is None else f"{nbytes / MiB:,.0f}"
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join("" if v is None else str(v) for v in row) + " |" for row in rows]
+    return lines
+
+
+def render_markdown(result: GpuCheckResult, cfg: GpuCheckConfig) -> str:
+    """The report a maintainer reads: one section per part, tables, what was not reached."""
+    status = "finished" if result.finished else "in progress (or stopped before the end)"
+    lines = [
+        f"# gpu-check: {result.card}, {result.started}",
+        "",
+        f"`python -m helpers gpu-check --deadline {cfg.deadline_min:g}"
+        f"{' --quick' if cfg.quick else ''}` on `{result.device}`: {status}, "
+        f"{result.seconds / 60:.1f} of {result.deadline_min:g} min.",
+        "",
+        "## a. Environment",
+        "",
+        *_table(["", ""], [[k, v] for k, v in result.environment.items() if k != "scale"]),
+        "",
+        "```text",
+        result.environment.get("scale", ""),
+        "```",
+        "",
+        "Packages against the tested range (`python -m helpers doctor`):",
+        "",
+        "```text",
+        *result.packages,
+        "```",
+        "",
+        "### Preflight",
+        "",
+        "```text",
+        result.preflight or "(not run yet)",
+        "```",
+        "",
+    ]
+    lines += _estimator_markdown(result) + _capstone_markdown(result) + _lessons_markdown(result)
+    if result.not_reached:
+        lines += ["## Not reached", "", *(f"- {item}" for item in result.not_reached), ""]
+    return "\n".join(lines)
+
+
+def _estimator_markdown(result: GpuCheckResult) -> list[str]:
+    lines = [
+        "## b. The estimator against the real allocator",
+        "",
+        "Each setting trained in a fresh process (`helpers.train.measure`). MiB throughout. "
+        "*Predicted* is the estimator (`estimate_run`), *tracked* the course's per-category "
+        "tracker over one steady-state step (view 1), *allocated* and *reserved* the caching "
+        "allocator's `max_memory_allocated` / `max_memory_reserved` over the timed steps "
+        "(view 2), *NVML* the whole device as nvidia-smi sees it (view 3). The gaps: "
+        "allocated - tracked is what the allocator hands out beyond the tensors the tracker "
+        "sees (cuBLAS/cuDNN workspaces, kernels' scratch); reserved - allocated is the cache "
+        "and fragmentation; NVML - reserved is the CUDA context (and anything else on the card).",
+        "",
+    ]
+    header = ["setting", "path", "predicted", "tracked", "pred/tracked", "worst category",
+              "allocated", "alloc-tracked", "reserved", "reserved-alloc", "NVML",
+              "NVML-reserved"]  # fmt: skip
+    rows = []
+    for r in result.estimator:
+        if "error" in r:
+            rows.append([r["label"], "", "", "", "", f"**{r['error'][:160]}**", *[""] * 6])
+            continue
+        pred, tracked = r["predicted"]["peak"], r["tracked"]["peak"]
+        worst = worst_category(r)
+        rows.append([
+            r["label"], r["path"], _mib(pred), _mib(tracked), f"{pred / tracked:.3f}",
+            f"{worst[0]} {worst[1]:.3f}" if worst else "", _mib(r["max_allocated"]),
+            _mib(r["allocated_minus_tracked"]), _mib(r["max_reserved"]),
+            _mib(r["reserved_minus_allocated"]), _mib(r["nvml_used"]),
+            _mib(r["nvml_minus_reserved"]),
+        ])  # fmt: skip
+    return lines + _table(header, rows) + [""]
+
+
+def _num(row: dict, key: str, fmt: str = "{:.2f}") -> str:
+    return "" if row.get(key) is None else fmt.format(row[key])
+
+
+def _num(row: dict, key: str, fmt: str = "{:.2f}") -> str:
+    return "" if row.get(key) is None else fmt.format(row[key])
+
+
+def _capstone_markdown(result: GpuCheckResult) -> list[str]:
+    if not result.capstone:
+        return []
+    lines = [
+        "## d. The capstone's recipes next to the guide's V100 table",
+        "",
+        "The nine recipes of the v4.30 single-GPU guide (bert-large, sequence 512, batch 4 at "
+        "the full scale), from part b's runs. Memory is NVML's device memory where there is "
+        "one (as the guide's nvidia-smi), else the tracked peak; ratios are to each side's "
+        "vanilla run. Source: https://huggingface.co/docs/transformers/v4.30.0/en/perf_train_gpu_one",
+        "",
+    ]
+    header = ["recipe", "samples/s", "memory MiB", "speed ratio", "memory ratio", "MFU",
+              "V100 samples/s", "V100 MB", "V100 speed ratio", "V100 memory ratio",
+              "status"]  # fmt: skip
+    rows = []
+    for r in result.capstone:
+        rows.append([r["recipe"], _num(r, "samples/s"), _num(r, "memory MiB", "{:,.0f}"),
+                     _num(r, "speed ratio"), _num(r, "memory ratio"), _num(r, "mfu", "{:.1%}"),
+                     _num(r, "V100 samples/s"), _num(r, "V100 MB", "{:,.0f}"),
+                     _num(r, "V100 speed ratio"), _num(r, "V100 memory ratio"),
+                     r.get("status", "")])  # fmt: skip
+    return lines + _table(header, rows) + [""]
+
+
+def _lessons_markdown(result: GpuCheckResult) -> list[str]:
+    lines = ["## c. The lessons", ""]
+    if result.order:
+        lines += [f"Order: {result.order}.", ""]
+    header = ["lesson", "scale", "outcome", "seconds", "speed claims", "error or note"]
+    rows = []
+    for r in result.lessons:
+        counts = r["claims"]["counts"]
+        claims = ", ".join(f"{n} {verdict}" for verdict, n in sorted(counts.items()))
+        rows.append([r["lesson"], r["scale"], r["outcome"], f"{r['seconds']:.0f}", claims,
+                     r["error"].replace("|", "/")])  # fmt: skip
+    lines += [*_table(header, rows), ""]
+    odd = [(r["lesson"], r["scale"], c) for r in result.lessons for c in r["claims"]["not_holding"]]
+    if odd:
+        lines += ["Speed claims that did not hold (reported, not failing):", ""]
+        lines += [f"- {lesson} ({scale}): {claim}" for lesson, scale, claim in odd] + [""]
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+# README's summary of the committed reports
+
+
+def reports_markdown(reports: Path = REPORTS) -> str:
+    """Markdown for README: each GPU report, newest first, with what ran and how close the
+    estimator came; a line saying there is none yet when the folder has no GPU report."""
+    rows = []
+    for path in sorted(reports.glob("*.json"), reverse=True):
+        data = json.loads(path.read_text())
+        if str(data.get("device", "")).startswith("cuda"):
+            rows.append(_report_row(path, data))
+    if not rows:
+        return ("No GPU report yet: `make gpu-check` has not run on a GPU. Until one runs, the "
+                "course's CUDA paths are checked against fake cards (tests/fake_gpu.py) and its "
+                "CUDA memory figures come from the estimator on paper.\n")  # fmt: skip
+    header = ["report", "card", "lessons passed (tiny / full)", "lessons failed",
+              "estimator: predicted / tracked peak", "predicted / allocator peak"]  # fmt: skip
+    return "\n".join(_table(header, rows)) + "\n"
+
+
+def _report_row(path: Path, data: dict) -> list[str]:
+    def lessons(scale: str, outcome: str) -> str:
+        found = [r["lesson"] for r in data.get("lessons", [])
+                 if r["scale"] == scale and r["outcome"] == outcome]  # fmt: skip
+        return " ".join(sorted(found)) or "none"
+
+    ran = [r for r in data.get("estimator", []) if "predicted" in r]
+    tracked = [r["predicted"]["peak"] / r["tracked"]["peak"] for r in ran]
+    allocated = [r["predicted"]["peak"] / r["max_allocated"] for r in ran if r["max_allocated"]]
+
+    def spread(ratios: list[float]) -> str:
+        return f"{min(ratios):.3f} to {max(ratios):.3f} ({len(ratios)} settings)" if ratios else ""
+
+    failed = " ".join(f"{r['lesson']} ({r['scale']})" for r in data.get("lessons", [])
+                      if r["outcome"] == "failed")  # fmt: skip
+    return [f"[{path.stem}](reports/gpu/{path.with_suffix('.md').name})", data.get("card", ""),
+            f"{lessons('tiny', 'passed')} / {lessons('full', 'passed')}", failed or "none",
+            spread(tracked), spread(allocated)]  # fmt: skip

@@ -1,0 +1,219 @@
+"""``python -m helpers gpu-check``: the report written as it goes, notebooks run and read,
+the deadline kept, the full-scale order continued from earlier reports, the settings a GPU
+gets. The quick run here is the version ``make test`` runs so the command cannot rot."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from helpers import gpu_check as G
+from helpers.cli import main as cli
+from helpers.lessons.putting_it_together import SEED_RECIPES
+from tests.fake_gpu import PROFILES, FakeGpu
+
+
+def _notebook(path: Path, *sources: str) -> Path:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}  # fmt: skip
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One quick run on this CPU (make test's version), with a passing and a failing notebook."""
+    folder = tmp_path_factory.mktemp("gpu-check")
+    good = _notebook(folder / "good.ipynb", "x = 1 + 1", "print(x)")
+    bad = _notebook(folder / "bad.ipynb", "y = 2", "raise ValueError('the number was wrong')")
+    cfg = G.GpuCheckConfig(deadline_min=4, out=folder / "report", quick=True,
+                           lessons=(str(good), str(bad)), device="cpu")  # fmt: skip
+    result, md = G.run_gpu_check(cfg)
+    return result, md
+
+
+def test_the_quick_run_writes_every_part_of_the_report(quick_run):
+    _, md = quick_run
+    text = md.read_text()
+    for heading in ("## a. Environment", "### Preflight", "## b. The estimator",
+                    "## d. The capstone", "## c. The lessons"):  # fmt: skip
+        assert heading in text, heading
+    data = json.loads(md.with_suffix(".json").read_text())
+    assert data["finished"] and data["device"] == "cpu"
+    assert "torch" in data["environment"] and data["packages"]
+    assert "budget cap" in data["preflight"] and "no check fails" in data["preflight"]
+    assert [r["label"] for r in data["estimator"]] == ["vanilla", "16-bit"]
+    for row in data["estimator"]:  # on the CPU the estimator is exact for the encoder
+        assert row["predicted"]["peak"] == pytest.approx(row["tracked"]["peak"], rel=0.02)
+        assert row["max_allocated"] is None  # no caching allocator on a CPU
+    assert [r["recipe"] for r in data["capstone"] if r["status"] == "ok"] == ["vanilla", "16-bit"]
+
+
+def test_a_failing_notebook_is_reported_with_its_cell_and_error(quick_run):
+    result, _ = quick_run
+    rows = {r["notebook"]: r for r in result.lessons}
+    assert rows["good.ipynb"]["outcome"] == "passed"
+    bad = rows["bad.ipynb"]
+    assert bad["outcome"] == "failed"
+    assert bad["error"] == "code cell 2: ValueError: the number was wrong"
+    assert result.problems == ["lesson bad (tiny): failed"]
+
+
+def test_a_notebook_past_the_deadline_is_stopped_and_reported(tmp_path):
+    slow = _notebook(tmp_path / "slow.ipynb", "import time\ntime.sleep(120)")
+    rows = []
+    clock = G.Clock(0.15)  # 9 s: the kernel starts, then the cell outlives the deadline
+    start = time.monotonic()
+    G.run_notebooks([slow], "tiny", tmp_path / "work", clock, 1, rows.append, "cpu",
+                    estimate_s=lambda path: 5.0)  # fmt: skip
+    assert time.monotonic() - start < 60
+    assert rows[0]["outcome"] == "stopped at the deadline"
+    too_late = G.Clock(0.0)
+    G.run_notebooks([slow], "tiny", tmp_path / "work", too_late, 1, rows.append, "cpu")
+    assert rows[1]["outcome"] == "not started" and "min left" in rows[1]["error"]
+
+
+def test_the_report_is_written_before_a_later_part_breaks(tmp_path, monkeypatch):
+    def broken(*args):
+        raise KeyboardInterrupt  # the run killed during part b
+
+    monkeypatch.setattr(G, "_part_b", broken)
+    cfg = G.GpuCheckConfig(deadline_min=2, out=tmp_path, quick=True, lessons=(), device="cpu")
+    with pytest.raises(KeyboardInterrupt):
+        G.run_gpu_check(cfg)
+    (md,) = tmp_path.glob("*.md")
+    text = md.read_text()
+    assert "## a. Environment" in text and "budget cap" in text
+    assert "in progress (or stopped before the end)" in text
+    assert not json.loads(md.with_suffix(".json").read_text())["finished"]
+
+
+def test_the_full_scale_continues_with_the_lessons_no_report_covered(tmp_path):
+    earlier = {"device": "cuda:0", "lessons": [
+        {"lesson": "14", "scale": "full", "outcome": "passed"},
+        {"lesson": "00", "scale": "full", "outcome": "failed"},
+        {"lesson": "01", "scale": "tiny", "outcome": "passed"},
+    ]}  # fmt: skip
+    (tmp_path / "2026-11-20-nvidia-h100.json").write_text(json.dumps(earlier))
+    cpu_run = {"device": "cpu", "lessons": [{"lesson": "05", "scale": "full", "outcome": "passed"}]}
+    (tmp_path / "2026-11-21-cpu.json").write_text(json.dumps(cpu_run))
+    covered = G.covered_earlier(tmp_path)
+    assert covered == {"14"}  # failed, tiny-scale and CPU runs do not count
+    paths = G.notebook_paths(None)
+    ordered, why = G.full_order(paths, covered)
+    numbers = [G.lesson_number(p) for p in ordered]
+    assert numbers[:3] == ["00", "01", "05"] and numbers[-1] == "14"
+    assert sorted(numbers) == [f"{i:02d}" for i in range(18)]
+    assert "already covered: 14" in why
+
+
+def test_report_names_carry_the_date_and_card_and_never_overwrite(tmp_path):
+    from datetime import datetime
+
+    when = datetime(2026, 11, 27)
+    md, js = G.report_paths(tmp_path, "NVIDIA H100 80GB HBM3", when)
+    assert md.name == "2026-11-27-nvidia-h100-80gb-hbm3.md" and js.suffix == ".json"
+    js.write_text("{}")
+    assert G.report_paths(tmp_path, "NVIDIA H100 80GB HBM3", when)[1].name.endswith("-2.json")
+
+
+def test_a_gpu_gets_at_least_twelve_settings_at_the_full_scale(monkeypatch):
+    FakeGpu(monkeypatch, [PROFILES["h100"]])
+    settings = G.estimator_settings("cuda:0")
+    assert len(settings) >= 12
+    labels = list(settings)
+    assert labels[:9] == [r.label for r in SEED_RECIPES]
+    vanilla = settings["vanilla"]
+    assert (vanilla.model, vanilla.seq_len, vanilla.batch_size) == ("bert-large", 512, 4)
+    assert settings["16-bit"].precision == "fp16"  # the capstone's, as in the guide
+    assert "llama-400m sdpa bf16" in settings  # the decoder in bf16 where the card has it
+    assert settings["qwen3-0.6b sdpa bf16 (traced)"].model == "qwen3-0.6b"  # traced estimator
+    assert any(c.lora_r for c in settings.values()) and "bert-large tf32" in settings
+
+
+def test_a_t4_gets_fp16_and_no_tf32(monkeypatch):
+    FakeGpu(monkeypatch, [PROFILES["t4"]])
+    settings = G.estimator_settings("cuda:0")
+    assert settings["16-bit"].precision == "fp16" and not any("tf32" in k for k in settings)
+    assert "llama-400m sdpa fp16" in settings  # a T4 only emulates bf16
+
+
+def test_the_environment_names_the_card(monkeypatch):
+    FakeGpu(monkeypatch, [PROFILES["h100"]])
+    env = G.environment("cuda:0")
+    assert env["card"] == "NVIDIA H100 80GB HBM3" and env["compute capability"] == "9.0"
+    assert "580.95.05" in env["nvml"] and "scale=full" in env["scale"]
+
+
+def test_worst_category_is_the_ratio_farthest_from_one():
+    row = {"predicted": {"params": 100, "activations": 90, "peak": 190},
+           "tracked": {"params": 100, "activations": 100, "peak": 200}}  # fmt: skip
+    assert G.worst_category(row) == ("activations", 0.9)
+    assert G.worst_category({"label": "x", "error": "OutOfMemoryError"}) is None
+
+
+def test_the_command_line_refuses_a_bad_deadline_and_an_unknown_lesson(capsys):
+    assert cli(["gpu-check", "--deadline", "0"]) == 2
+    assert "--deadline must be positive" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no notebook for lesson"):
+        G.notebook_paths(("42",))
+
+
+def test_speed_claims_only_report_under_gpu_check(monkeypatch):
+    from helpers.timing import Claim, Comparison, check_claims
+
+    wrong = Comparison({"a": [2.0] * 7, "b": [1.0] * 7})
+    claim = Claim("a", "faster", "b")
+    with pytest.raises(AssertionError, match="decided the other way"):
+        check_claims(wrong, [claim])
+    monkeypatch.setenv("COURSE_SPEED_CLAIMS", "report")
+    assert check_claims(wrong, [claim])[0].endswith("fails")
+
+
+def test_gpu_host_script_and_wheel_lists_agree_with_the_floor():
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tools"))
+    try:
+        import gpu_wheels
+    finally:
+        sys.path.pop(0)
+    floor = {r.split("==")[0].lower()
+             for r in gpu_wheels.requirements(root / "requirements" / "floor.txt")}  # fmt: skip
+    carried = [r.split("==")[0].lower() for name in ("gpu-carry.txt", "gpu-extras.txt")
+               for r in gpu_wheels.requirements(root / "requirements" / name)]  # fmt: skip
+    assert not floor & set(carried), "a carried wheel would replace one of the image's packages"
+    assert len(carried) == len(set(carried))
+    assert {"nbclient", "ipykernel", "datasets", "bitsandbytes"} <= set(carried)
+    script = (root / "tools" / "gpu_host.sh").read_text()
+    assert "--no-deps" in script and "--target" in script and "gpu-check" in script
+
+
+def test_readme_summarises_the_committed_gpu_reports():
+    readme = (G.ROOT / "README.md").read_text()
+    start = "<!-- gpu-reports: python -m helpers gpu-check --summary -->\n"
+    end = "<!-- /gpu-reports -->"
+    assert start in readme and end in readme, "README lacks the summary of the GPU reports"
+    assert readme.split(start, 1)[1].split(end, 1)[0] == G.reports_markdown(), (
+        "README's GPU reports are stale: paste python -m helpers gpu-check --summary"
+    )
+
+
+def test_a_gpu_report_is_summarised_with_its_lessons_and_estimator(tmp_path):
+    row = {"predicted": {"peak": 99}, "tracked": {"peak": 100}, "max_allocated": 110}
+    data = {"device": "cuda:0", "card": "NVIDIA H100 80GB HBM3", "estimator": [row],
+            "lessons": [{"lesson": "00", "scale": "tiny", "outcome": "passed"},
+                        {"lesson": "14", "scale": "full", "outcome": "passed"},
+                        {"lesson": "08", "scale": "full", "outcome": "failed"}]}  # fmt: skip
+    (tmp_path / "2026-12-01-nvidia-h100-80gb-hbm3.json").write_text(json.dumps(data))
+    text = G.reports_markdown(tmp_path)
+    assert (
+        "[2026-12-01-nvidia-h100-80gb-hbm3](reports/gpu/2026-12-01-nvidia-h100-80gb-hbm3.md)"
+        in text
+    )
+    assert "| 00 / 14 | 08 (full) | 0.990 to 0.990 (1 settings) | 0.900 to 0.900" in text
