@@ -7,6 +7,8 @@
 #   make preflight try every hardware feature the lessons use on this machine (hosts: run it first)
 #   make load-test the timing lessons three times under nbval with a bursty CPU load running
 #   make load-course  make course with the same bursty load running
+#   make gpu-check the course proven on this machine's GPU within a deadline; writes reports/gpu/
+#   make compat    the tests and every notebook at the oldest supported versions (.venv-compat)
 #   make lint      ruff check + ruff format --check
 #   make format    strip notebook outputs, ruff check --fix, ruff format
 #   make clean     remove build outputs (make distclean also removes .venv)
@@ -23,7 +25,8 @@
 #
 # Variables: PYTHON (interpreter to use, see above), COURSE_SCALE (tiny|full|auto; passed to
 # the notebooks only when set), BOOTSTRAP_PYTHON (interpreter that creates .venv; python3),
-# VENV (.venv).
+# VENV (.venv), GPU_CHECK_DEADLINE (minutes, 9), GPU_CHECK_OUT (report folder), COMPAT_PYTHON
+# (a Python 3.12 for make compat; found on PATH or under pyenv).
 
 SHELL := bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -81,10 +84,10 @@ EXECUTED_DIR := build/executed
 NBVAL_ARGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider
 
 .PHONY: help install check-env test lint test-unit preflight test-notebooks load-test course \
-  load-course lab format clean distclean
+  load-course lab format clean distclean gpu-check gpu-wheels gpu-rehearsal compat
 
 help:
-	@sed -n '3,12p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '3,14p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 	@echo
 	@echo "Interpreter: $(PYTHON)$(if $(filter check-env,$(ENV_READY)), (yours; nothing is installed), (.venv, created on first use))"
 
@@ -195,6 +198,68 @@ lab: $(ENV_READY)
 	$(PYTHON) -m jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS) notebooks/
 
 # ---------------------------------------------------------------------------------------------
+# A GPU host, and the oldest supported versions
+#
+# make gpu-check on a machine with a GPU: parts a-d of helpers/gpu_check.py within the deadline,
+# the report written as it goes (reports/gpu/<date>-<card>.md and .json). On a CPU it is the
+# rehearsal (tiny scale, two notebooks, build/gpu-check/).
+#
+# A GPU host with only its image's libraries gets the wheels the run needs from here:
+#   make gpu-wheels                      # .whl/core (notebook runner, datasets), .whl/extras
+#   bash tools/gpu_host.sh OUT 9         # on the host: wheels into a folder of their own, run
+# make gpu-rehearsal runs exactly that here, in .venv-compat (the host's image), with a short
+# deadline. make compat runs the tests and every notebook there (no optional packages).
+
+GPU_CHECK_DEADLINE ?= 9
+GPU_CHECK_OUT ?=
+COMPAT_VENV := .venv-compat
+COMPAT_PYTHON ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
+  $$p -c '' 2>/dev/null && { echo $$p; break; }; done)
+COMPAT_SITE := $(CURDIR)/$(COMPAT_VENV)/carried
+
+gpu-check: $(ENV_READY)
+	$(PYTHON) -m helpers gpu-check --deadline $(GPU_CHECK_DEADLINE) \
+	  $(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT))
+
+gpu-wheels:
+	$(BOOTSTRAP_PYTHON) tools/gpu_wheels.py
+
+$(COMPAT_VENV)/.installed: requirements/floor.txt
+	@[ -n "$(COMPAT_PYTHON)" ] || { echo "make compat needs Python 3.12 (the GPU images' \
+	  version): install it, or name one: make compat COMPAT_PYTHON=/path/to/python3.12"; exit 1; }
+	rm -rf $(COMPAT_VENV)
+	$(COMPAT_PYTHON) -m venv $(COMPAT_VENV)
+	@echo "Installing the oldest supported versions (requirements/floor.txt; torch 2.11 is a \
+	  CUDA build of about 3 GB) into $(COMPAT_VENV)"
+	$(COMPAT_VENV)/bin/python -m pip install -q -r requirements/floor.txt
+	@touch $@
+
+# The tests and every notebook at the floor: the image's libraries, the carried wheels (the
+# notebook runner and datasets, installed as tools/gpu_host.sh does), no optional packages.
+compat: export PATH := $(CURDIR)/$(COMPAT_VENV)/bin:$(COMPAT_SITE)/bin:$(PATH)
+compat: export PYTHONPATH := $(CURDIR):$(COMPAT_SITE)
+compat: export COURSE_PROGRESS := 0
+compat: export COURSE_RESULTS := $(CURDIR)/build/compat-results.jsonl
+compat: export COURSE_CLAIMS := $(CURDIR)/build/compat-claims.jsonl
+compat: $(COMPAT_VENV)/.installed
+	$(BOOTSTRAP_PYTHON) tools/gpu_wheels.py --core-only
+	$(COMPAT_VENV)/bin/python -m pip install -q --no-index --no-deps --no-compile --upgrade \
+	  --target $(COMPAT_SITE) .whl/core/*.whl
+	@mkdir -p build && rm -f build/compat-claims.jsonl
+	$(COMPAT_VENV)/bin/python -m helpers doctor
+	$(COMPAT_VENV)/bin/python -m pytest -p no:cacheprovider tests
+	$(COMPAT_VENV)/bin/python -m pytest $(NBVAL_ARGS) notebooks/
+	@$(COMPAT_VENV)/bin/python -m helpers claims --claims build/compat-claims.jsonl
+
+# What the GPU host runs (tools/gpu_host.sh), here: the image's libraries, every carried wheel,
+# a short deadline. It prints what a device call would carry (under 64 MiB).
+gpu-rehearsal: $(COMPAT_VENV)/.installed
+	$(BOOTSTRAP_PYTHON) tools/gpu_wheels.py
+	rm -rf build/gpu-rehearsal
+	PATH=$(CURDIR)/$(COMPAT_VENV)/bin:$$PATH PYTHON=$(COMPAT_VENV)/bin/python \
+	  SITE=$(CURDIR)/build/gpu-rehearsal/site bash tools/gpu_host.sh build/gpu-rehearsal 6
+
+# ---------------------------------------------------------------------------------------------
 # Housekeeping
 
 format: $(ENV_READY)
@@ -214,4 +279,4 @@ clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(COMPAT_VENV) .whl
