@@ -225,12 +225,12 @@ gpu-wheels:
 	$(BOOTSTRAP_PYTHON) tools/gpu_wheels.py
 
 $(COMPAT_VENV)/.installed: requirements/floor.txt
-	@[ -n "$(COMPAT_PYTHON)" ] || { echo "make compat needs Python 3.12 (the GPU images' \
-	  version): install it, or name one: make compat COMPAT_PYTHON=/path/to/python3.12"; exit 1; }
+	@[ -n "$(COMPAT_PYTHON)" ] || { echo "make compat needs Python 3.12, the GPU images' own:"; \
+	  echo "install it, or name one: make compat COMPAT_PYTHON=/path/to/python3.12"; exit 1; }
 	rm -rf $(COMPAT_VENV)
 	$(COMPAT_PYTHON) -m venv $(COMPAT_VENV)
-	@echo "Installing the oldest supported versions (requirements/floor.txt; torch 2.11 is a \
-	  CUDA build of about 3 GB) into $(COMPAT_VENV)"
+	@echo "Installing the oldest supported versions (requirements/floor.txt) into $(COMPAT_VENV)"
+	@echo "(torch 2.11 from PyPI is a CUDA build: about 3 GB, and it runs on a CPU too)"
 	$(COMPAT_VENV)/bin/python -m pip install -q -r requirements/floor.txt
 	@touch $@
 

@@ -154,7 +154,8 @@ class PackageStatus:
         shown = self.version or "missing"
         text = f"{self.kind:<8} {p.distribution:<13} {shown:<14} {self.verdict}"
         if self.version is None and p.without:
-            text += f"; lessons {p.lessons}: {p.without}"
+            where = p.lessons if self.kind == "tool" else f"lessons {p.lessons}"
+            text += f"; {where}: {p.without}"
         return text
 
 

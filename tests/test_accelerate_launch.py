@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_script_runs_under_accelerate_launch_with_two_processes(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(tmp_path / "hf"),
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "HF_HOME": str(tmp_path / "hf"),
            "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "bf16",

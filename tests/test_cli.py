@@ -17,7 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COURSE_DEVICE": "cpu"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "COURSE_DEVICE": "cpu",
+    }
     return subprocess.run(
         [sys.executable, "-m", "helpers", *args],
         capture_output=True,

@@ -81,7 +81,10 @@ def free_port() -> int:
 def start_lab(lab_python: str, folder: Path) -> tuple[subprocess.Popen, str]:
     """JupyterLab from the course's Python in ``folder``; returns it and its URL with token."""
     port, token = free_port(), "calc-check"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     command = [lab_python, "-m", "jupyter", "lab", "--no-browser", "--allow-root",
                f"--port={port}", f"--IdentityProvider.token={token}",
                f"--LabApp.app_settings_dir={ROOT / 'tools' / 'lab-settings'}",
