@@ -185,8 +185,9 @@ def missing_optional(module: str) -> str | None:
 # older gradient-checkpointing names, which 5.2x keeps as deprecated aliases.
 
 
-def checkpointing_enable(model: torch.nn.Module, kwargs: dict) -> None:
-    """transformers' ``activation_checkpointing_enable(kwargs)`` under this version's name."""
+def checkpointing_enable(model: torch.nn.Module, kwargs: dict | None = None) -> None:
+    """transformers' ``activation_checkpointing_enable(kwargs)`` under this version's name
+    (``gradient_checkpointing_enable`` before 5.2x)."""
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is None:
         enable = model.gradient_checkpointing_enable
@@ -199,6 +200,21 @@ def checkpointing_disable(model: torch.nn.Module) -> None:
     if disable is None:
         disable = model.gradient_checkpointing_disable
     disable()
+
+
+def trainer_checkpointing(on: bool, kwargs: dict | None = None) -> dict:
+    """``TrainingArguments``' keywords that switch checkpointing, under this version's names:
+    ``activation_checkpointing`` (5.2x; ``gradient_checkpointing`` is its deprecated alias
+    there) or ``gradient_checkpointing`` (before), and the matching ``*_kwargs``."""
+    from transformers import TrainingArguments
+
+    names = TrainingArguments.__dataclass_fields__
+    name = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in names
+        else "gradient_checkpointing"
+    )
+    return {name: on} if kwargs is None else {name: on, f"{name}_kwargs": kwargs}
 
 
 def is_checkpointing(model: torch.nn.Module) -> bool:

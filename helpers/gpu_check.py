@@ -198,6 +198,8 @@ def estimator_settings(device: str | None, quick: bool = False) -> dict[str, Run
     half = half_precision(d)  # the capstone's: fp16 as in the guide, bf16 where it is refused
     bf16 = "bf16" if precision_problem("bf16", d) is None else half  # the decoder's
     recipes = SEED_RECIPES[:4:3] if quick else SEED_RECIPES  # quick: vanilla and 16-bit
+    if compat.missing_optional("bitsandbytes"):  # 8-bit AdamW where bitsandbytes is there
+        recipes = [r for r in recipes if r.optimizer != "adamw8bit"]
     out = {r.label: recipe_config(r, base, half) for r in recipes}
     if quick:
         return out
@@ -264,6 +266,9 @@ def _part_b(run: _Run) -> dict:
     """Every setting in a fresh process; returns the records by label (part d reads them)."""
     cfg, result, clock = run.cfg, run.result, run.clock
     settings = estimator_settings(cfg.device, cfg.quick)
+    missing = compat.missing_optional("bitsandbytes")
+    if missing and not cfg.quick:
+        result.not_reached.append(f"estimator: the two 8-bit AdamW recipes ({missing})")
     records = {}
     for n, (label, run_cfg) in enumerate(settings.items(), 1):
         if clock.left() < 30:

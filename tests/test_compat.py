@@ -85,3 +85,15 @@ def test_cuda_autocast_gained_rms_norm_in_torch_2_12(monkeypatch):
     assert compat.cuda_autocast_fp32_ops(base) == base
     monkeypatch.setattr(torch, "__version__", "2.12.0")
     assert compat.cuda_autocast_fp32_ops(base) == base | {"rms_norm"}
+
+
+def test_the_trainer_is_switched_with_this_versions_keyword(tmp_path):
+    from helpers.train import trainer_arguments
+
+    keywords = compat.trainer_checkpointing(True, {"use_reentrant": False})
+    (name,) = [k for k in keywords if not k.endswith("_kwargs")]
+    assert name in ("activation_checkpointing", "gradient_checkpointing")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # never the deprecated alias
+        args = trainer_arguments(str(tmp_path), "cpu", **keywords)
+    assert getattr(args, name) is True and keywords[f"{name}_kwargs"] == {"use_reentrant": False}

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from helpers.compat import missing_optional
+from helpers.compat import missing_optional, trainer_checkpointing
 from helpers.data import MarkovTask, markov_dataset
 from helpers.memory import CategoryTracker
 from helpers.models import build_model, enable_checkpointing, load_config, task_kind
@@ -273,8 +273,7 @@ def _trainer_arguments(cfg: LoopConfig, output_dir: str):
         logging_steps=1,
         per_device_train_batch_size=cfg.per_device_train_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        activation_checkpointing=cfg.gradient_checkpointing,  # was gradient_checkpointing
-        activation_checkpointing_kwargs={"use_reentrant": False},
+        **trainer_checkpointing(cfg.gradient_checkpointing, {"use_reentrant": False}),
         bf16=cfg.mixed_precision == "bf16",
         fp16=cfg.mixed_precision == "fp16",
         optim=TRAINER_OPTIM[cfg.optimizer],
