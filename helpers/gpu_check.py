@@ -612,7 +612,10 @@ def _atomic(path: Path, text: str) -> None:
 
 
 def _mib(nbytes) -> str:
-    return "" if nbytes is None else f"{nbytes / MiB:,.0f}"
+    """MiB, whole above 100 (a GPU's sizes), with two decimals below (the tiny scale's)."""
+    if nbytes is None:
+        return ""
+    return f"{nbytes / MiB:,.0f}" if abs(nbytes) >= 100 * MiB else f"{nbytes / MiB:.2f}"
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:

@@ -25,6 +25,9 @@ else
   echo "no wheels in .whl/: the notebooks need nbclient and ipykernel (make gpu-wheels)"
 fi
 export PATH="$site/bin:$PATH"  # console scripts of the carried packages
+# Installed without byte-compiling (faster), so a carried package's source is compiled at its
+# first import; its invalid escapes' SyntaxWarnings would then fill the log.
+export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore::SyntaxWarning"
 if command -v make >/dev/null; then  # make checks the packages first (python -m helpers doctor)
   make --no-print-directory gpu-check PYTHON="$py" GPU_CHECK_OUT="$out" GPU_CHECK_DEADLINE="$deadline"
 else
