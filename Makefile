@@ -144,20 +144,21 @@ test-unit: $(ENV_READY)
 preflight: $(ENV_READY)
 	$(PYTHON) -m helpers preflight
 
-# On a quiet machine (make test) a speed claim that the interleaved rounds cannot decide fails.
-test-notebooks: export COURSE_STRICT_TIMING := 1
+# A speed claim fails a notebook only when a second measurement confirms it decided the wrong
+# way; undecided ones are listed by the summary that ends the run (it exits 1 on a confirmed one).
 test-notebooks: export COURSE_CLAIMS := $(CLAIMS)
 test-notebooks: $(ENV_READY)
 ifeq ($(NOTEBOOKS),)
 	@echo "No notebooks in notebooks/: nothing to execute"
 else
 	@mkdir -p build
-	$(PYTHON) -m pytest $(NBVAL_ARGS) notebooks/
-	@$(PYTHON) -m helpers claims --claims $(CLAIMS)
+	@status=0; $(PYTHON) -m pytest $(NBVAL_ARGS) notebooks/ || status=$$?; \
+	echo; $(PYTHON) -m helpers claims --claims $(CLAIMS) || status=1; exit $$status
 endif
 
 # The timing lessons three times in a row with a bursty load on one core (tools/bursty_load.py):
-# a claim may come out undecided (reported and counted), never decided the wrong way.
+# rounds the load disturbs are set aside, so a claim may come out undecided (reported and
+# counted), never confirmed the wrong way.
 load-test: export COURSE_RESULTS := $(CURDIR)/build/load-results.jsonl
 load-test: export COURSE_CLAIMS := $(CURDIR)/build/load-claims.jsonl
 load-test: $(ENV_READY)

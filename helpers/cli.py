@@ -258,30 +258,18 @@ def _hardware(args) -> int:
 
 
 def _claims(args) -> int:
-    """How the lessons' speed claims came out: holds / undecided / fails, per lesson."""
+    """How the speed claims came out (helpers.timing.claims_summary); 1 on a confirmed wrong one."""
     import os
-    from collections import Counter
 
-    from helpers.timing import CLAIMS_ENV
+    from helpers.timing import CLAIMS_ENV, claims_summary, read_claims
 
     path = args.claims or os.environ.get(CLAIMS_ENV)
     if not path or not os.path.exists(path):
         print(f"no speed claims recorded ({path or f'${CLAIMS_ENV} is not set'})")
         return 0
-    with open(path) as f:
-        rows = [row for line in f if line.strip() and "verdict" in (row := json.loads(line))]
-    counts = Counter(r["verdict"] for r in rows)
-    lessons = Counter(r["lesson"] for r in rows)
-    print(
-        f"speed claims: {len(rows)} checked in {len(lessons)} lessons: "
-        + ", ".join(f"{counts[v]} {v}" for v in ("holds", "undecided", "fails"))
-    )
-    for r in rows:
-        if r["verdict"] != "holds":
-            ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.3g}"
-            print(f"  {r['lesson']}: {r['claim']}: {r['verdict']} (median ratio {ratio}, "
-                  f"{r['rounds']} rounds)")  # fmt: skip
-    return 0
+    rows = read_claims(path)
+    print(claims_summary(rows))
+    return 1 if any(r["verdict"] == "fails" for r in rows) else 0
 
 
 def _preflight(args) -> int:

@@ -168,7 +168,7 @@ def _part_a(run: _Run):
     run.say("[a] " + "; ".join(f"{k}: {v}" for k, v in result.environment.items() if k != "scale"))
     names = ("budget cap", "allocator view") if cfg.quick else None
     pre = run_preflight(cfg.device, timeout=min(300.0, max(30.0, clock.left() / 3)), names=names,
-                        stop_at=clock.end - _reserve(cfg))  # fmt: skip
+                        stop_at=clock.end - _reserve(cfg), throughput=not cfg.quick)  # fmt: skip
     result.preflight = format_result(pre)
     run.write()
     run.say(result.preflight)

@@ -172,8 +172,9 @@ def _busy_ticks(cpus: set[int]) -> int | None:
     return total
 
 
-def _tree_ticks(root: int) -> int:
-    """CPU ticks of process ``root`` and its descendants, reaped children's included."""
+def _tree_ticks(root: int) -> tuple[int, int]:
+    """CPU ticks of process ``root`` and its descendants, reaped children's included; and
+    how many processes that tree has."""
     stats = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -186,17 +187,22 @@ def _tree_ticks(root: int) -> int:
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in stats.items():
         children.setdefault(ppid, []).append(pid)
-    total, todo = 0, [root]
+    total, count, todo = 0, 0, [root]
     while todo:
         pid = todo.pop()
         total += stats.get(pid, (0, 0))[1]
+        count += 1
         todo += children.get(pid, [])
-    return total
+    return total, count
 
 
 class OtherLoad:
     """Cores' worth of CPU that processes other than this one and its children used while the
     ``with`` block ran (``cores``; Linux's /proc only, else None). Steal time counts as others'.
+
+    The kernel counts CPU time in clock ticks (10 ms each, typically), for every CPU and every
+    process: each count can be a tick short or over. Those ticks are taken off what others
+    used, so a block shorter than a few ticks reads as quiet rather than as busy by accident.
     """
 
     def __init__(self) -> None:
@@ -205,7 +211,7 @@ class OtherLoad:
 
     def __enter__(self) -> OtherLoad:
         self._busy, self._start = _busy_ticks(self.cpus), time.perf_counter()
-        self._own = _tree_ticks(os.getpid()) if self._busy is not None else 0
+        self._own = _tree_ticks(os.getpid())[0] if self._busy is not None else 0
         return self
 
     def __exit__(self, *exc) -> None:
@@ -213,6 +219,7 @@ class OtherLoad:
         if busy is None or self._busy is None:
             return
         wall = time.perf_counter() - self._start
-        own = _tree_ticks(os.getpid()) - self._own
-        others = max(0, busy - self._busy - own) / os.sysconf("SC_CLK_TCK")
-        self.cores = others / wall if wall > 0 else None
+        own, processes = _tree_ticks(os.getpid())
+        resolution = len(self.cpus) + processes  # a tick of rounding per counter
+        others = max(0, busy - self._busy - (own - self._own) - resolution)
+        self.cores = others / os.sysconf("SC_CLK_TCK") / wall if wall > 0 else None

@@ -315,27 +315,44 @@ def compare_benches(
     holds one full-scale model, not nine). A contender that fails (out of memory, say) is left
     out of the rounds and named in the result's ``errors``. With ``units`` (samples per call,
     say) the times are per unit, so contenders doing different amounts of work compare by
-    throughput. ``rounds`` as for ``helpers.timing.interleave``.
+    throughput. ``rounds`` as for ``helpers.timing.interleave``; a claim decided the wrong
+    way is measured again in new processes before it can fail (``timing.confirmed``).
     """
-    import statistics
-
     from helpers.device import resolve
+    from helpers.timing import confirmed
 
     device = str(resolve(device))
     per_unit = {name: (units or {}).get(name, 1.0) for name in benches}
-    if mode == "fresh":
-        errors: dict[str, str] = {}
-
-        def run_fresh(name: str) -> float:
-            out = call_isolated(_bench_once, benches[name], device, warmup, per_round,
-                                daemon=daemon)  # fmt: skip
-            if out.error:
-                raise _ContenderFailed(name, out.error)
-            return statistics.median(out.value) / per_unit[name]
-
-        return _interleave_guarded(run_fresh, list(benches), errors, rounds)
-    if mode != "workers":
+    if mode not in ("workers", "fresh"):
         raise ValueError(f"unknown mode {mode!r}: workers or fresh")
+    # A claim decided the wrong way is measured again, in new processes: new workers (or a
+    # fresh process per round again), so nothing of the first measurement's processes stays.
+    run = _measure_fresh if mode == "fresh" else _measure_workers
+    rounds = {**rounds, "confirm": False}
+    return confirmed(
+        lambda: run(benches, device, warmup, per_round, daemon, per_unit, rounds),
+        rounds.get("claims", ()),
+    )
+
+
+def _measure_fresh(benches, device, warmup, per_round, daemon, per_unit, rounds):
+    """One measurement: every round of every contender in a fresh process."""
+    import statistics
+
+    def run_fresh(name: str) -> float:
+        out = call_isolated(_bench_once, benches[name], device, warmup, per_round,
+                            daemon=daemon)  # fmt: skip
+        if out.error:
+            raise _ContenderFailed(name, out.error)
+        return statistics.median(out.value) / per_unit[name]
+
+    return _interleave_guarded(run_fresh, list(benches), {}, rounds)
+
+
+def _measure_workers(benches, device, warmup, per_round, daemon, per_unit, rounds):
+    """One measurement: a long-lived process per contender, built for it and stopped after."""
+    import statistics
+
     with Workers(benches, device, warmup, daemon) as workers:
         names = [n for n in benches if n not in workers.errors]
 

@@ -375,12 +375,13 @@ def run_preflight(
     timeout: float = 300,
     names: tuple[str, ...] | None = None,
     stop_at: float | None = None,
+    throughput: bool = True,
 ) -> PreflightResult:
     """Every check in a fresh process, then the rough full-scale time per lesson.
 
     ``names``: only these checks (None: all). ``stop_at``: a ``time.monotonic()`` moment after
     which no check starts; those left are "skipped" with the reason (``make gpu-check``'s
-    deadline).
+    deadline). ``throughput=False`` leaves out the throughput and the minutes per lesson.
     """
     from helpers.fullscale import fit_scale, lesson_experiments
     from helpers.hardware import hardware_report
@@ -411,6 +412,8 @@ def run_preflight(
             else:
                 check.detail = out.value
         result.checks.append(check)
+    if not throughput:
+        return result
     out = call_isolated(_throughput, str(d), timeout=timeout)
     if out.error:
         result.checks.append(Check("training throughput", (), "fails", out.error))

@@ -17,7 +17,15 @@ from helpers.memory import CategoryTracker, allocator_peaks, memory_budget, rese
 from helpers.models import build_model, count_params, enable_checkpointing, load_config, task_kind
 from helpers.names import AUTOCAST, OPTIMIZERS, TRAIN_ATTENTION
 from helpers.results import Record
-from helpers.timing import flops_utilisation, synchronize, time_fn, time_once, train_flops
+from helpers.timing import (
+    Disturbance,
+    confirmed,
+    flops_utilisation,
+    synchronize,
+    time_fn,
+    time_once,
+    train_flops,
+)
 
 
 @dataclass
@@ -376,31 +384,27 @@ class ForwardBackwardResult:
     backward_ops: dict[str, float]  # the same for one backward (forward+backward minus forward)
     op_flops: dict[str, int]  # forward + backward FLOPs per op class
     class_times: dict[str, list[float]]  # "forward contractions" ... "backward element-wise"
+    # Rounds disturbed by other processes and left out, and the cores others used each round.
+    left_out: dict[str, int] = field(default_factory=dict)
+    others: list[float] = field(default_factory=list)
+    aside: ForwardBackwardResult | None = None  # the rounds set aside, in the same fields
+    # The first measurement, when one of the claims it decided the wrong way was measured again.
+    first: ForwardBackwardResult | None = None
 
     @property
     def forward_s(self) -> float:
         """Median seconds of a forward pass."""
-        import statistics
-
-        return statistics.median(self.forward_times)
+        return self.passes().median("forward")
 
     @property
     def backward_s(self) -> float:
         """Median seconds of a backward pass."""
-        import statistics
+        return self.passes().median("backward")
 
-        return statistics.median(self.backward_times)
+    def _pass_times(self) -> dict[str, list[float]]:
+        return {"forward": self.forward_times, "backward": self.backward_times}
 
-    def passes(self):
-        """The two passes' rounds as a ``Comparison`` ("forward", "backward")."""
-        from helpers.timing import Comparison
-
-        return Comparison({"forward": self.forward_times, "backward": self.backward_times})
-
-    def classes(self):
-        """Op-class rounds as a ``Comparison``, with "all ops" and "element-wise" (both passes)."""
-        from helpers.timing import Comparison
-
+    def _class_times(self) -> dict[str, list[float]]:
         ops = dict(self.class_times)
         rounds = list(zip(*self.class_times.values(), strict=True))
         ops["all ops"] = [sum(per_round) for per_round in rounds]
@@ -409,16 +413,34 @@ class ForwardBackwardResult:
             ops.get("backward element-wise", []),
         )
         ops["element-wise"] = [f + b for f, b in zip(forward, backward, strict=True)]
-        return Comparison(ops)
+        return ops
+
+    def passes(self):
+        """The two passes' rounds as a ``Comparison`` ("forward", "backward")."""
+        aside = self.aside._pass_times() if self.aside else {}
+        first = self.first.passes() if self.first else None
+        return self._comparison(self._pass_times(), aside, first)
+
+    def classes(self):
+        """Op-class rounds as a ``Comparison``, with "all ops" and "element-wise" (both passes)."""
+        aside = self.aside._class_times() if self.aside else {}
+        first = self.first.classes() if self.first else None
+        return self._comparison(self._class_times(), aside, first)
+
+    def _comparison(self, times: dict[str, list[float]], aside: dict, first):
+        from helpers.timing import Comparison
+
+        return Comparison.of(times, aside, left_out=dict(self.left_out),
+                             others=list(self.others), first=first)  # fmt: skip
+
+    def verdict(self, claim) -> str:
+        """The claim's verdict on these rounds: on the passes, or on the op classes."""
+        on_passes = {claim.name, claim.versus} <= {"forward", "backward"}
+        return (self.passes() if on_passes else self.classes()).verdict(claim)
 
     def decided(self, claims) -> bool:
         """Every claim (on passes or on op classes, by its names) holds or fails."""
-        passes, classes = self.passes(), self.classes()
-        return all(
-            (passes if {c.name, c.versus} <= {"forward", "backward"} else classes).verdict(c)
-            != "undecided"
-            for c in claims
-        )
+        return all(self.verdict(c) != "undecided" for c in claims)
 
 
 def forward_backward(
@@ -427,7 +449,8 @@ def forward_backward(
     """Split a training step: forward and backward FLOPs (counted) and times (in rounds).
 
     After ``rounds`` rounds, more are added while one of ``claims`` is undecided, up to
-    ``max_rounds`` (as ``helpers.timing.interleave`` does).
+    ``max_rounds``; a round other processes disturbed is left out, and a claim decided the
+    wrong way is measured again before it can fail (as ``helpers.timing.interleave`` does).
     """
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -450,22 +473,26 @@ def forward_backward(
     fwd_classes, bwd_classes = _class_flops(fwd_counter), _class_flops(bwd_counter)
     for _ in range(cfg.warmup):
         both()
-    out = ForwardBackwardResult(
-        forward_flops=fwd_counter.get_total_flops(),
-        backward_flops=bwd_counter.get_total_flops(),
-        forward_times=[],
-        backward_times=[],
-        forward_ops={},
-        backward_ops={},
-        op_flops={k: fwd_classes[k] + bwd_classes[k] for k in fwd_classes},
-        class_times={},
-    )
-    for i in range(max_rounds):
-        if i >= rounds and out.decided(claims):
-            break
-        model.zero_grad(set_to_none=True)
-        _forward_backward_round(out, forward, both, device)
-    return out
+    flops = (fwd_counter.get_total_flops(), bwd_counter.get_total_flops(),
+             {k: fwd_classes[k] + bwd_classes[k] for k in fwd_classes})  # fmt: skip
+
+    def measure() -> ForwardBackwardResult:
+        """One measurement: rounds until decided, those disturbed by others left out."""
+        out = ForwardBackwardResult(flops[0], flops[1], [], [], {}, {}, flops[2], {})
+        out.aside = ForwardBackwardResult(flops[0], flops[1], [], [], {}, {}, flops[2], {})
+        watch = Disturbance(into=out)
+        for _ in range(max_rounds):
+            if len(out.forward_times) >= rounds and out.decided(claims):
+                break
+            model.zero_grad(set_to_none=True)
+            with watch.round():
+                row = _forward_backward_round(forward, both, device)
+            _add_round(out.aside if watch.set_aside() else out, *row)
+        if not out.forward_ops:  # every round was set aside: the last one's op times
+            out.forward_ops, out.backward_ops = out.aside.forward_ops, out.aside.backward_ops
+        return out
+
+    return confirmed(measure, claims)  # a claim decided the wrong way: measured again
 
 
 def _class_flops(counter) -> dict[str, int]:
@@ -478,9 +505,10 @@ def _class_flops(counter) -> dict[str, int]:
     return out
 
 
-def _forward_backward_round(out: ForwardBackwardResult, forward, both, device) -> None:
-    """One round: a forward and a backward timed back to back, then both passes profiled."""
-    from helpers.timing import by_op_class, op_self_times
+def _forward_backward_round(forward, both, device):
+    """One round: a forward and a backward timed back to back, then both passes profiled;
+    (forward s, backward s, forward's op self-times, backward's)."""
+    from helpers.timing import op_self_times
 
     synchronize(device)
     t0 = time.perf_counter()
@@ -489,10 +517,18 @@ def _forward_backward_round(out: ForwardBackwardResult, forward, both, device) -
     t1 = time.perf_counter()
     loss.backward()
     synchronize(device)
-    out.forward_times.append(t1 - t0)
-    out.backward_times.append(time.perf_counter() - t1)
+    t2 = time.perf_counter()
     fwd_ops, all_ops = op_self_times(forward, device), op_self_times(both, device)
     bwd_ops = {k: max(0.0, v - fwd_ops.get(k, 0.0)) for k, v in all_ops.items()}
+    return t1 - t0, t2 - t1, fwd_ops, bwd_ops
+
+
+def _add_round(out: ForwardBackwardResult, forward_s, backward_s, fwd_ops, bwd_ops) -> None:
+    """Keep one round in ``out``: the passes' times and the op classes' seconds."""
+    from helpers.timing import by_op_class
+
+    out.forward_times.append(forward_s)
+    out.backward_times.append(backward_s)
     for phase, ops in (("forward", fwd_ops), ("backward", bwd_ops)):
         for name, seconds in by_op_class(ops).items():
             out.class_times.setdefault(f"{phase} {name}", []).append(seconds)

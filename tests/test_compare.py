@@ -1,19 +1,20 @@
 """The interleaved comparison: its statistics, its rounds, its processes, its verdicts."""
 
-import json
 import os
 
 import pytest
 
 from helpers.isolate import bench, compare_benches
 from helpers.timing import (
-    STRICT_ENV,
     Claim,
     Comparison,
+    Disturbance,
     check_claims,
+    claims_summary,
     interleave,
     median_interval,
     pause,
+    read_claims,
 )
 
 
@@ -73,20 +74,119 @@ def test_contenders_in_their_own_processes(mode):
     assert result.verdict(Claim("broken", "faster", "short")) == "undecided"
 
 
-def test_check_claims_fails_on_a_wrong_verdict_and_on_undecided_when_strict(monkeypatch, tmp_path):
+def test_a_wrong_way_claim_is_measured_again_before_it_can_fail():
+    # The first measurement decides "a is faster" the wrong way (a machine hiccup on a's
+    # side); fresh rounds measure again and find it holds: reported, not a failure.
+    measurements = {"n": 0}
+    hiccup = {"a": 3.0, "b": 2.0}
+
+    def run(name: str) -> float:
+        measurements["n"] += 1
+        return hiccup[name] if measurements["n"] <= 10 else {"a": 1.0, "b": 2.0}[name]
+
+    claim = Claim("a", "faster", "b")
+    result = interleave(run, ["a", "b"], rounds=5, max_rounds=5, claims=[claim])
+    assert result.first is not None and result.first.verdict(claim) == "fails"
+    assert result.verdict(claim) == "holds" and result.decision(claim) == "unconfirmed"
+    line = check_claims(result, [claim])[0]  # does not raise
+    assert "first measurement median ratio 1.5" in line and line.endswith(
+        "unconfirmed (the two measurements disagree; the rounds scatter widely: a noisy machine "
+        "or a small effect at this size)"
+    )
+    assert measurements["n"] == 20  # two measurements of five rounds of two contenders
+
+
+def test_a_wrong_way_claim_confirmed_twice_fails():
+    claim = Claim("a", "faster", "b")
+    wrong = interleave({"a": 3.0, "b": 2.0}.get, ["a", "b"], rounds=5, max_rounds=5,
+                       claims=[claim])  # fmt: skip
+    assert wrong.first is not None and wrong.decision(claim) == "fails"
+    with pytest.raises(AssertionError, match="decided the other way, twice"):
+        check_claims(wrong, [claim])
+    # A claim that holds is measured once: nothing to confirm.
+    right = interleave({"a": 1.0, "b": 2.0}.get, ["a", "b"], rounds=5, max_rounds=5,
+                       claims=[claim])  # fmt: skip
+    assert right.first is None and right.decision(claim) == "holds"
+
+
+def test_a_comparison_built_from_a_result_is_measured_again_through_its_again():
+    claim = Claim("a", "faster", "b")
+    calls = []
+
+    def again() -> Comparison:
+        calls.append(1)
+        return Comparison({"a": [1.0] * 5, "b": [2.0] * 5})
+
+    wrong_once = Comparison({"a": [3.0] * 5, "b": [2.0] * 5}, again=again)
+    assert "unconfirmed" in check_claims(wrong_once, [claim])[0] and calls == [1]
+    never_again = Comparison({"a": [3.0] * 5, "b": [2.0] * 5})  # no way to measure again
+    line = check_claims(never_again, [claim])[0]
+    assert "unconfirmed (the other way in one measurement that its producer could not" in line
+    import pickle
+
+    assert pickle.loads(pickle.dumps(wrong_once)).again is None  # a closure stays home
+
+
+def test_an_undecided_claim_never_fails_and_is_logged_with_its_reason(monkeypatch, tmp_path):
     log = tmp_path / "claims.jsonl"
     monkeypatch.setenv("COURSE_CLAIMS", str(log))
-    monkeypatch.delenv(STRICT_ENV, raising=False)
     result = Comparison({"a": [1.0, 3.0, 1.0, 3.0, 1.0], "b": [2.0] * 5, "c": [4.0] * 5})
     lines = check_claims(result, [Claim("a", "faster", "b"), Claim("a", "faster", "c")], "00")
-    assert "undecided" in lines[0] and "holds" in lines[1]
-    with pytest.raises(AssertionError, match="decided the other way"):
-        check_claims(result, [Claim("c", "faster", "a")])
-    monkeypatch.setenv(STRICT_ENV, "1")
-    with pytest.raises(AssertionError, match="undecided"):
-        check_claims(result, [Claim("a", "faster", "b")])
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["verdict"] for r in rows] == ["undecided", "holds", "fails", "undecided"]
+    assert "undecided (the rounds scatter widely" in lines[0] and lines[1].endswith("holds")
+    rows = read_claims(log)
+    assert [r["verdict"] for r in rows] == ["undecided", "holds"]
+    assert rows[0]["reason"].startswith("the rounds scatter") and rows[1]["reason"] == ""
+
+
+def test_other_load_is_the_machines_ticks_less_ours_and_the_counters_rounding(monkeypatch):
+    from helpers import hardware
+
+    ticks = iter([1000, 1130])  # the machine's busy ticks before and after (100 per second)
+    ours = iter([(400, 3), (460, 3)])  # this process tree's ticks, and its 3 processes
+    clock = iter([10.0, 11.0])  # one second
+    monkeypatch.setattr(hardware, "_busy_ticks", lambda cpus: next(ticks))
+    monkeypatch.setattr(hardware, "_tree_ticks", lambda pid: next(ours))
+    monkeypatch.setattr(hardware.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(hardware.os, "sysconf", lambda name: 100)
+    with hardware.OtherLoad() as load:
+        load.cpus = {0, 1}
+    # 130 busy ticks, 60 of them ours, 2 CPUs + 3 processes of rounding: 65 ticks = 0.65 cores
+    assert load.cores == pytest.approx(0.65)
+    monkeypatch.setenv("COURSE_OTHERS_LIMIT", "0.25")
+    watch = Disturbance()  # the limit from the environment
+    monkeypatch.setattr(hardware, "OtherLoad", lambda: _Load(0.65))
+    with watch.round():
+        pass
+    assert watch.set_aside() and watch.into.left_out == {
+        "other processes used over 0.25 of a core": 1
+    }
+    monkeypatch.setattr(hardware, "OtherLoad", lambda: _Load(0.1))
+    with watch.round():
+        pass
+    assert not watch.set_aside() and watch.into.others == [0.65, 0.1]
+
+
+class _Load:  # helpers.hardware.OtherLoad with a known answer
+    def __init__(self, cores):
+        self.value = cores
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.cores = self.value
+
+
+def test_interleave_sets_aside_rounds_a_busy_machine_disturbed(monkeypatch):
+    from helpers import hardware
+
+    busy = iter([0.0, 0.9, 0.0, 0.0, 0.0, 0.0, 0.0])
+    monkeypatch.setattr(hardware, "OtherLoad", lambda: _Load(next(busy)))
+    monkeypatch.delenv("COURSE_OTHERS_LIMIT")  # the default limit, as in a lesson
+    result = interleave({"a": 1.0, "b": 2.0}.get, ["a", "b"], rounds=5, max_rounds=7,
+                        claims=[Claim("a", "faster", "b")])  # fmt: skip
+    assert result.rounds == 5 and result.left_out == {"other processes used over 0.25 of a core": 1}
+    assert result.others == [0.0, 0.9, 0.0, 0.0, 0.0, 0.0] and result.busy() == (0.0, 0.9)
 
 
 def test_cli_claims_summarises_the_log(monkeypatch, tmp_path, capsys):
@@ -94,13 +194,20 @@ def test_cli_claims_summarises_the_log(monkeypatch, tmp_path, capsys):
 
     log = tmp_path / "claims.jsonl"
     monkeypatch.setenv("COURSE_CLAIMS", str(log))
-    monkeypatch.delenv(STRICT_ENV, raising=False)
-    result = Comparison({"a": [1.0, 3.0, 1.0, 3.0, 1.0], "b": [2.0] * 5, "c": [4.0] * 5})
+    result = Comparison({"a": [1.0, 3.0, 1.0, 3.0, 1.0], "b": [2.0] * 5, "c": [4.0] * 5},
+                        others=[0.1, 0.5], left_out={"busy": 1})  # fmt: skip
     check_claims(result, [Claim("a", "faster", "c"), Claim("a", "faster", "b")], "03")
     assert main(["claims"]) == 0
     out = capsys.readouterr().out
-    assert "2 checked in 1 lessons: 1 holds, 1 undecided, 0 fails" in out
-    assert "03: time a / b < 1: undecided" in out
+    assert "2 checked in 1 lessons: 1 held, 1 undecided, 0 wrong once but not confirmed, " in out
+    assert "0 confirmed wrong" in out and "rounds set aside (other processes busy): 2" in out
+    assert "0.30 cores in a typical round, 0.50 at most" in out
+    assert "03: time a / b < 1: undecided (median ratio 0.5, 5 rounds; a busy machine" in out
+    wrong = interleave({"a": 3.0, "b": 2.0}.get, ["a", "b"], 5, 5, [Claim("a", "faster", "b")])
+    with pytest.raises(AssertionError):
+        check_claims(wrong, [Claim("a", "faster", "b")], "03")
+    assert main(["claims"]) == 1  # a confirmed wrong claim fails the summary too
+    assert "1 confirmed wrong" in claims_summary(read_claims(log))
 
 
 def test_forward_backward_adds_rounds_until_its_claims_are_decided():
@@ -137,3 +244,37 @@ def test_cpu_burner_is_busy_when_start_returns_and_gone_after_stop():
     finally:
         burner.stop()
     assert not proc.is_alive() and burner._procs == []
+
+
+def test_in_a_notebook_only_a_confirmed_wrong_claim_fails_the_cell(tmp_path):
+    # What a lesson does: print check_claims' lines. Undecided, and wrong once then right on
+    # re-measurement, print and the cell passes; wrong twice raises in the cell.
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    setup = (
+        "from helpers.timing import Claim, Comparison, check_claims, interleave\n"
+        "claim = Claim('a', 'faster', 'b')\n"
+        "n = {'calls': 0}\n"
+        "def hiccup(name):\n"
+        "    n['calls'] += 1\n"
+        "    return {'a': 3.0 if n['calls'] <= 10 else 1.0, 'b': 2.0}[name]\n"
+    )
+    cells = [
+        setup,
+        "noisy = Comparison({'a': [1.0, 3.0, 1.0, 3.0, 1.0], 'b': [2.0] * 5})\n"
+        "print(check_claims(noisy, [claim])[0])",
+        "once = interleave(hiccup, ['a', 'b'], 5, 5, [claim])\n"
+        "print(check_claims(once, [claim])[0])",
+        "twice = interleave({'a': 3.0, 'b': 2.0}.get, ['a', 'b'], 5, 5, [claim])\n"
+        "check_claims(twice, [claim])",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}})  # fmt: skip
+    with pytest.raises(CellExecutionError, match="decided the other way, twice"):
+        client.execute()
+    outputs = ["".join(o.get("text", "") for o in c.outputs) for c in nb.cells]
+    assert ": undecided (" in outputs[1] and ": unconfirmed (" in outputs[2]
+    assert all(o.output_type == "stream" for c in nb.cells[:3] for o in c.outputs)  # no error

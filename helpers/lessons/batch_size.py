@@ -24,7 +24,7 @@ from helpers.memory import CategoryTracker, memory_budget
 from helpers.names import MiB, human_bytes
 from helpers.plots import legend_outside, plain_ticks
 from helpers.quiet import quiet_libraries
-from helpers.timing import time_fn
+from helpers.timing import Disturbance, time_fn
 
 # The phrase accelerate.utils.should_reduce_batch_size looks for in a CUDA/XPU OOM message.
 OOM_PHRASE = " out of memory."
@@ -96,18 +96,51 @@ class MatmulTimingResult:
     tflops: dict[int, float] = field(default_factory=dict)
     spread: dict[int, float] = field(default_factory=dict)  # (max - min) / median of the repeats
     rounds: dict[int, list[float]] = field(default_factory=dict)  # seconds per matmul, per round
+    aside_rounds: dict[int, list[float]] = field(default_factory=dict)  # rounds set aside
+    left_out: dict[str, int] = field(default_factory=dict)  # rounds others disturbed, by reason
+    others: list[float] = field(default_factory=list)  # cores others used, each round
+    args: tuple = ()  # matmul_timing's arguments: how to measure again
 
     def groups(self, groups: dict[str, Sequence[int]], best: bool = False):
         """A ``helpers.timing.Comparison`` of groups of sizes: per round, the median (``best``:
-        the lowest) seconds per FLOP over the group's sizes, so that groups compare by speed."""
+        the lowest) seconds per FLOP over the group's sizes, so that groups compare by speed.
+        A claim it decides the wrong way is measured again in a fresh process (``again``)."""
+        from helpers.isolate import call_isolated
         from helpers.timing import Comparison
 
         pick = min if best else statistics.median
-        n_rounds = min(len(t) for t in self.rounds.values())
-        return Comparison({
-            name: [pick(self.rounds[n][r] / (2 * n**3) for n in sizes) for r in range(n_rounds)]
-            for name, sizes in groups.items()
-        })  # fmt: skip
+
+        def per_round(rounds: dict[int, list[float]]) -> dict[str, list[float]]:
+            n_rounds = min((len(t) for t in rounds.values()), default=0)
+            return {name: [pick(rounds[n][r] / (2 * n**3) for n in sizes) for r in range(n_rounds)]
+                    for name, sizes in groups.items()}  # fmt: skip
+
+        def again() -> Comparison:
+            return call_isolated(matmul_timing, *self.args).unwrap().groups(groups, best)
+
+        return Comparison.of(per_round(self.rounds), per_round(self.aside_rounds),
+                             left_out=dict(self.left_out), others=list(self.others),
+                             again=again if self.args else None)  # fmt: skip
+
+
+def _matmul_rounds(call, sizes, dev, repeats: int, out: MatmulTimingResult):
+    """Rounds that time every size once, until ``repeats`` rounds no other process disturbed
+    are kept (at most twice as many tried); every round's seconds, the kept ones', which."""
+    every: dict[int, list[float]] = {n: [] for n in sizes}
+    kept: dict[int, list[float]] = {n: [] for n in sizes}
+    mask: list[bool] = []  # each round: kept (True) or set aside
+    watch = Disturbance(into=out)
+    for _ in range(2 * repeats):
+        if len(kept[sizes[0]]) >= repeats:
+            break
+        with watch.round():
+            row = {n: time_fn(call(n), dev, warmup=0, repeats=1).times for n in sizes}
+        mask.append(not watch.set_aside())
+        for n, t in row.items():
+            every[n] += t
+            if mask[-1]:
+                kept[n] += t
+    return every, kept, mask
 
 
 def matmul_timing(
@@ -120,7 +153,8 @@ def matmul_timing(
 ) -> MatmulTimingResult:
     """Time n x n matmuls per size (``inner`` back to back per timed call), sizes interleaved.
 
-    Each round times every size once, so a slow spell of the machine hits all sizes alike.
+    Each round times every size once, so a slow spell of the machine hits all sizes alike; a
+    round in which other processes took more than a share of a core is left out.
     """
     dev = torch.device(device)
     torch_dtype = getattr(torch, dtype)
@@ -144,17 +178,16 @@ def matmul_timing(
 
     for n in sizes:  # warm-up, untimed: kernel selection, caches, clocks
         time_fn(call(n), dev, warmup=warmup, repeats=1)
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(repeats):
-        for n in sizes:
-            times[n] += time_fn(call(n), dev, warmup=0, repeats=1).times
-    out = MatmulTimingResult(dtype)
-    for n, ts in times.items():
+    out = MatmulTimingResult(dtype, args=(list(sizes), dtype, device, warmup, repeats, inner))
+    every, kept, kept_mask = _matmul_rounds(call, sizes, dev, repeats, out)
+    for n in sizes:
+        ts = kept[n] if len(kept[n]) >= 3 else every[n]  # the medians: undisturbed rounds
         median = statistics.median(ts) / inner
         out.seconds[n] = median
         out.tflops[n] = 2 * n**3 / median / 1e12
         out.spread[n] = (max(ts) - min(ts)) / (median * inner)
-        out.rounds[n] = [t / inner for t in ts]
+        out.rounds[n] = [t / inner for t in kept[n]]  # the claims: undisturbed rounds only
+        out.aside_rounds[n] = [t / inner for t, k in zip(every[n], kept_mask, strict=True) if not k]
     return out
 
 

@@ -175,9 +175,33 @@ def segments_figure(
 class PairedTimingResult:
     """Step times of the same training run without and with checkpointing, measured in turns."""
 
-    plain: list[float] = field(default_factory=list)  # seconds per optimizer step
-    checkpointed: list[float] = field(default_factory=list)
-    forward: list[float] = field(default_factory=list)  # seconds of one forward (plain model)
+    # Seconds of every pair: a plain optimizer step, a checkpointed one, one plain forward.
+    every_plain: list[float] = field(default_factory=list)
+    every_checkpointed: list[float] = field(default_factory=list)
+    every_forward: list[float] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)  # the pairs no other process disturbed
+    left_out: dict[str, int] = field(default_factory=dict)  # pairs others disturbed, by reason
+    others: list[float] = field(default_factory=list)  # cores others used, each pair
+    args: tuple = ()  # paired_step_times' arguments: how to measure again
+
+    def _pairs(self, times: list[float]) -> list[float]:
+        """The undisturbed pairs' times (all of them where fewer than 3 were undisturbed)."""
+        return [times[i] for i in self.kept] if len(self.kept) >= 3 else list(times)
+
+    @property
+    def plain(self) -> list[float]:
+        """Seconds per plain optimizer step, pair by pair."""
+        return self._pairs(self.every_plain)
+
+    @property
+    def checkpointed(self) -> list[float]:
+        """Seconds per checkpointed optimizer step, pair by pair."""
+        return self._pairs(self.every_checkpointed)
+
+    @property
+    def forward(self) -> list[float]:
+        """Seconds of one forward of the plain model, pair by pair."""
+        return self._pairs(self.every_forward)
 
     @property
     def ratios(self) -> list[float]:
@@ -197,12 +221,25 @@ class PairedTimingResult:
 
     def comparison(self):
         """The rounds as a ``helpers.timing.Comparison``: plain, checkpointed, forward, and
-        "extra" (checkpointed minus plain, round by round), for claims on per-round ratios."""
+        "extra" (checkpointed minus plain, round by round), for claims on per-round ratios.
+        A claim it decides the wrong way is measured again in a fresh process (``again``)."""
+        from helpers.isolate import call_isolated
         from helpers.timing import Comparison
 
-        extra = [c - p for c, p in zip(self.checkpointed, self.plain, strict=True)]
-        return Comparison({"plain": self.plain, "checkpointed": self.checkpointed,
-                           "forward": self.forward, "extra": extra})  # fmt: skip
+        def pairs(indices) -> dict[str, list[float]]:
+            plain = [self.every_plain[i] for i in indices]
+            ckpt = [self.every_checkpointed[i] for i in indices]
+            extra = [c - p for c, p in zip(ckpt, plain, strict=True)]
+            return {"plain": plain, "checkpointed": ckpt, "extra": extra,
+                    "forward": [self.every_forward[i] for i in indices]}  # fmt: skip
+
+        def again() -> Comparison:
+            return call_isolated(paired_step_times, *self.args).unwrap().comparison()
+
+        aside = [i for i in range(len(self.every_plain)) if i not in self.kept]
+        return Comparison.of(pairs(self.kept), pairs(aside), left_out=dict(self.left_out),
+                             others=list(self.others),
+                             again=again if self.args else None)  # fmt: skip
 
 
 def paired_step_times(cfg, repeats: int = 20) -> PairedTimingResult:
@@ -215,7 +252,7 @@ def paired_step_times(cfg, repeats: int = 20) -> PairedTimingResult:
     clock changes) weighs on both alike; the per-pair ratio then cancels most of it.
     """
     from helpers.models import disable_checkpointing
-    from helpers.timing import time_once
+    from helpers.timing import Disturbance, time_once
     from helpers.train import Trainee, autocast_context
 
     trainee = Trainee(replace(cfg, gradient_checkpointing=False))
@@ -236,12 +273,19 @@ def paired_step_times(cfg, repeats: int = 20) -> PairedTimingResult:
     for _ in range(max(1, cfg.warmup)):
         step(False)
         step(True)
-    out = PairedTimingResult()
-    for i in range(repeats):
+    out = PairedTimingResult(args=(cfg, repeats))
+    watch = Disturbance(into=out)  # a pair other processes disturbed is left out
+    for i in range(2 * repeats):  # until ``repeats`` undisturbed pairs, at most twice as many
+        if len(out.kept) >= repeats:
+            break
         order = (False, True) if i % 2 == 0 else (True, False)
-        times = {checkpointed: step(checkpointed) for checkpointed in order}
-        out.plain.append(times[False])
-        out.checkpointed.append(times[True])
-        disable_checkpointing(model)
-        out.forward.append(timed(forward))
+        with watch.round():
+            times = {checkpointed: step(checkpointed) for checkpointed in order}
+            disable_checkpointing(model)
+            forward_s = timed(forward)
+        if not watch.set_aside():
+            out.kept.append(len(out.every_plain))
+        out.every_plain.append(times[False])
+        out.every_checkpointed.append(times[True])
+        out.every_forward.append(forward_s)
     return out

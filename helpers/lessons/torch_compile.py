@@ -28,6 +28,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from helpers.timing import Comparison
+
 # -------------------------------------------------------------------------------------------
 # Seeing what dynamo captures
 
@@ -243,6 +245,7 @@ class FusionProfileResult:
     max_error: float = 0.0  # largest |compiled - eager| over all sizes
     max_abs: float = 0.0  # largest |eager output| over all sizes
     graphs: int = 0  # graphs dynamo compiled over all sizes
+    largest: Comparison | None = None  # the three in turns at the largest size (the claims')
 
 
 def fusion_profile(
@@ -294,6 +297,7 @@ def fusion_profile(
                 claims=claims if last else (),
             )
             _add_size(out, turns, compiled, x)
+    out.largest = turns  # decided, or re-measured when a claim came out the wrong way
     out.graphs = dynamo_summary().graphs
     return out
 
@@ -400,16 +404,68 @@ class StepProfileResult:
     prepare_s: float  # prepare_compiler's once-per-process seconds, kept out of the rest
     rows: int  # rows of the input of every step
     first_s: dict[str, float]  # copy -> seconds of its first step (compilation included)
-    times: dict[str, list[float]]  # copy -> seconds of each timed steady-state step
+    rounds: Comparison  # the copies' steady-state steps, timed in rotating rounds
     counters: CompileCountersResult  # after the first phase (every backend's copy)
     loss: dict[str, float]  # copy -> loss of its first step
     grad_error: dict[str, list[float]]  # compiled copy -> max |grad - eager's| per tensor
     grad_max: list[float]  # max |eager's grad| per tensor
     flops: int  # FLOPs of one training step (FlopCounterMode, on the eager copy)
     code: list[KernelsResult] = field(default_factory=list)  # inductor's forward, backward
-    # with warm_rerun: "eager" and "inductor, warm" -> seconds of each timed step, in turns
-    warm_times: dict[str, list[float]] = field(default_factory=dict)
+    # with warm_rerun: "eager" and "inductor, warm" timed in rotating rounds
+    warm_rounds: Comparison | None = None
     warm: CompileCountersResult | None = None  # with warm_rerun: the warm copy's counters
+    config: StepProfileConfig | None = None  # what ran: how to measure again
+
+    @property
+    def times(self) -> dict[str, list[float]]:
+        """Copy -> seconds of each timed steady-state step (undisturbed rounds)."""
+        return self.rounds.times
+
+    @property
+    def warm_times(self) -> dict[str, list[float]]:
+        """With warm_rerun: "eager" and "inductor, warm" -> seconds of each timed step."""
+        return self.warm_rounds.times if self.warm_rounds is not None else {}
+
+    def steady(self) -> Comparison:
+        """Eager against inductor in the steady state, both phases' rounds pooled (the warm
+        rerun's "inductor, warm" as inductor); measured again in a fresh process when a claim
+        is decided the wrong way (``again``)."""
+        phases = [(self.rounds, "inductor")]
+        if self.warm_rounds is not None:
+            phases.append((self.warm_rounds, "inductor, warm"))
+        names = {"eager": [(r, "eager") for r, _ in phases], "inductor": phases}
+        return self._pooled(names, lambda result: result.steady())
+
+    def same_ops(self) -> Comparison:
+        """Eager against aot_eager (the very same ATen operations) in the first phase."""
+        names = {k: [(self.rounds, k)] for k in ("eager", "aot_eager")}
+        return self._pooled(names, lambda result: result.same_ops())
+
+    def _pooled(self, names: dict[str, list[tuple[Comparison, str]]], pick) -> Comparison:
+        """One Comparison of ``names``, each the rounds of (phase, copy) pairs end to end."""
+        from helpers.isolate import call_isolated
+
+        def again() -> Comparison:
+            return pick(call_isolated(step_profile, self.config).unwrap())
+
+        phases = list({id(r): r for parts in names.values() for r, _ in parts}.values())
+        left_out: dict[str, int] = {}
+        for phase in phases:
+            for why, n in phase.left_out.items():
+                left_out[why] = left_out.get(why, 0) + n
+
+        def rounds(parts, counted: bool) -> list[float]:
+            return [t for r, k in parts
+                    for t, c in zip(r.times[k], r.kept or [True] * len(r.times[k]), strict=True)
+                    if c == counted]  # fmt: skip
+
+        return Comparison.of(
+            {n: rounds(parts, True) for n, parts in names.items()},
+            {n: rounds(parts, False) for n, parts in names.items()},
+            left_out=left_out,
+            others=[c for p in phases for c in p.others],
+            again=again if self.config is not None else None,
+        )
 
 
 def _own_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -470,19 +526,19 @@ def step_profile(config: StepProfileConfig) -> StepProfileResult:
     if config.cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = config.cache_dir
     copies = _build_copies(config, dev)
-    warm_times, warm = {}, None
+    warm_rounds, warm = None, None
     with quiet_dynamo():
         first_s, code = _first_steps(copies, list(copies.models), config.output_code, dev)
-        times = _steady_steps(copies, list(copies.models), config, dev)
+        rounds = _steady_steps(copies, list(copies.models), config, dev)
         counters = _compile_counters()
         if config.warm_rerun:
-            warm_first_s, warm_times, warm = _warm_rerun(copies, config, dev)
+            warm_first_s, warm_rounds, warm = _warm_rerun(copies, config, dev)
             first_s.update(warm_first_s)
     flops = train_flops(lambda: copies.step("eager"))
     grad_error, grad_max = _gradient_errors(copies.grads)
     return StepProfileResult(
-        prepare_s, config.rows, first_s, times, counters, copies.losses, grad_error, grad_max,
-        flops, code, warm_times, warm,
+        prepare_s, config.rows, first_s, rounds, counters, copies.losses, grad_error, grad_max,
+        flops, code, warm_rounds, warm, config,
     )  # fmt: skip
 
 
@@ -521,25 +577,21 @@ def _first_steps(
     return first_s, code
 
 
-def _steady_steps(
-    copies: _Copies, names: Sequence[str], config: StepProfileConfig, device: torch.device
-) -> dict[str, list[float]]:
-    """``warmup`` untimed steps of each copy, then ``repeats`` timed rounds in rotating order."""
-    from helpers.timing import time_once
+def _steady_steps(copies: _Copies, names: Sequence[str], config: StepProfileConfig,
+                  device: torch.device):  # fmt: skip
+    """``warmup`` untimed steps of each copy, then ``repeats`` timed rounds in rotating order
+    (``helpers.timing.interleave``: a round other processes disturbed is left out and another
+    run, up to twice as many); the rounds as a ``Comparison``."""
+    from helpers.timing import interleave, time_once
 
     for _ in range(config.warmup):
         for name in names:
             copies.step(name)
-    times: dict[str, list[float]] = {}
-    for i in range(config.repeats):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            times.setdefault(name, []).append(time_once(lambda n=name: copies.step(n), device))
-    return times
+    return interleave(lambda name: time_once(lambda: copies.step(name), device), list(names),
+                      rounds=config.repeats, max_rounds=2 * config.repeats)  # fmt: skip
 
 
-def _warm_rerun(
-    copies: _Copies, config: StepProfileConfig, device: torch.device
-) -> tuple[dict[str, float], dict[str, list[float]], CompileCountersResult]:
+def _warm_rerun(copies: _Copies, config: StepProfileConfig, device: torch.device):
     """A new inductor copy with only the disk cache left: first step, steady steps, counters."""
     from torch._inductor.utils import clear_caches
 
@@ -549,8 +601,8 @@ def _warm_rerun(
     fresh = mlp_stack(c.hidden, c.intermediate, c.n_blocks, c.seed, device)
     copies.add("inductor, warm", fresh, torch.compile(fresh, mode=c.mode))
     first_s, _ = _first_steps(copies, ["inductor, warm"], c.output_code, device)
-    times = _steady_steps(copies, ["eager", "inductor, warm"], c, device)
-    return first_s, times, _compile_counters()
+    rounds = _steady_steps(copies, ["eager", "inductor, warm"], c, device)
+    return first_s, rounds, _compile_counters()
 
 
 def _gradient_errors(grads: dict[str, list[torch.Tensor]]) -> tuple[dict, list[float]]:
