@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -287,3 +289,31 @@ def test_a_launch_that_fails_says_why_and_leaves_no_process_behind():
         lesson.launch(bad)
     mine = [p for p in psutil.process_iter(["cmdline"]) if "424242" in (p.info["cmdline"] or [])]
     assert not mine, [p.info["cmdline"] for p in mine]
+
+
+def test_a_timed_out_launch_stops_processes_that_left_its_session():
+    # torchrun starts its workers in sessions of their own: stopping the launcher's session
+    # left them running, holding the output pipes, and the launch (and make test) hung.
+    import threading
+
+    import psutil
+
+    code = (
+        "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+        "'import time; time.sleep(600)  # 737373'], start_new_session=True); time.sleep(600)"
+    )
+    done = {}
+
+    def launch() -> None:
+        done["out"] = lesson._run([sys.executable, "-c", code], dict(os.environ), 2.0)
+
+    runner = threading.Thread(target=launch, daemon=True)
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive(), "the launch did not return after its timeout"
+    assert done["out"][0] == -9 and "stopped after 2 s" in done["out"][1]
+    time.sleep(0.5)  # SIGKILL is asynchronous
+    left = [
+        p for p in psutil.process_iter(["cmdline"]) if "737373" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert not left, [p.info["cmdline"] for p in left]

@@ -530,21 +530,52 @@ def launch(cfg: ParallelConfig) -> ParallelResult:
                           time.perf_counter() - t0)  # fmt: skip
 
 
+LAUNCH_MARK = "COURSE_LAUNCH"  # set in a launch's environment: every process it starts has it
+
+
 def _run(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
     """Run the launcher in a session of its own; on timeout, stop it and every process it
-    started. Returns the exit code (-9 when stopped) and the error output."""
+    started. Returns the exit code (-9 when stopped) and the error output.
+
+    torchrun starts its workers in sessions of their own, so stopping the launcher's session
+    can leave them running, holding the output pipes open (and waiting for a rendezvous that
+    will never come). Every process of the launch carries a mark in its environment; on
+    timeout each one that has it is stopped too (Linux's /proc; elsewhere the session only).
+    """
     import signal
     import subprocess
+    import uuid
 
+    mark = uuid.uuid4().hex
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)  # fmt: skip
+                            env={**env, LAUNCH_MARK: mark}, start_new_session=True)  # fmt: skip
     try:
         _, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        _kill_marked(mark)
         _, stderr = proc.communicate()
         stderr += f"\n(stopped after {timeout:.0f} s)"
     return proc.returncode, stderr
+
+
+def _kill_marked(mark: str) -> None:
+    """SIGKILL every process whose environment carries ``LAUNCH_MARK=mark`` (Linux)."""
+    import signal
+    from pathlib import Path
+
+    wanted = f"{LAUNCH_MARK}={mark}".encode()
+    for _ in range(3):  # a process may start another while the first ones are stopped
+        found = False
+        for entry in Path("/proc").glob("[0-9]*"):
+            try:
+                if wanted in (entry / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(entry.name), signal.SIGKILL)
+                    found = True
+            except (OSError, ValueError):  # gone meanwhile, or not ours to read
+                continue
+        if not found:
+            return
 
 
 def _last_words(stderr: str, lines: int = 25) -> str:
