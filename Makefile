@@ -139,7 +139,7 @@ lint: $(ENV_READY)
 
 test-unit: $(ENV_READY)
 	@mkdir -p build
-	$(PYTHON) -m pytest tests
+	$(PYTHON) -m pytest --durations=15 tests
 
 preflight: $(ENV_READY)
 	$(PYTHON) -m helpers preflight
