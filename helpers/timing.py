@@ -523,6 +523,8 @@ def _rounds(run, names, rounds, max_rounds, claims, confidence, reject, others_l
     for i in progress(range(max_rounds), "timing rounds (stops when decided)", unit="round"):
         if out.rounds >= rounds and out.decided(claims):
             break
+        if claims and out.rounds + max_rounds - i < min(rounds, 5):
+            break  # so many rounds set aside that no claim can be decided: a busy machine
         with watch.round():
             row = {name: run(name) for name in names[i % len(names) :] + names[: i % len(names)]}
         out.kept.append(not watch.set_aside(reject() if reject else None))
@@ -634,7 +636,7 @@ def _log_claim(comparison: Comparison, claim: Claim, decision: str, lesson: str)
     import json
 
     ran = claim.name not in comparison.errors and claim.versus not in comparison.errors
-    ran = ran and comparison.rounds > 0
+    ran = ran and bool(comparison.times.get(claim.name))  # rounds set aside are reported too
     pair = (claim.name, claim.versus)
     busy = comparison.busy()
     row = {"lesson": lesson, "claim": str(claim), "verdict": decision,

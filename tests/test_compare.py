@@ -278,3 +278,17 @@ def test_in_a_notebook_only_a_confirmed_wrong_claim_fails_the_cell(tmp_path):
     outputs = ["".join(o.get("text", "") for o in c.outputs) for c in nb.cells]
     assert ": undecided (" in outputs[1] and ": unconfirmed (" in outputs[2]
     assert all(o.output_type == "stream" for c in nb.cells[:3] for o in c.outputs)  # no error
+
+
+def test_a_machine_too_busy_to_decide_stops_the_rounds_early(monkeypatch):
+    from helpers import hardware
+
+    monkeypatch.setattr(hardware, "OtherLoad", lambda: _Load(0.9))  # every round disturbed
+    monkeypatch.setenv("COURSE_OTHERS_LIMIT", "0.25")
+    calls = []
+    result = interleave(lambda n: calls.append(n) or 1.0, ["a", "b"], rounds=5, max_rounds=15,
+                        claims=[Claim("a", "faster", "b")])  # fmt: skip
+    # After 11 rounds set aside, 4 more could not make the 5 a decision needs: it stops.
+    assert len(calls) == 2 * 11 and result.rounds == 0 and result.set_aside() == 11
+    assert result.decision(Claim("a", "faster", "b")) == "undecided"
+    assert "a busy machine: 11 rounds set aside" in result.describe(Claim("a", "faster", "b"))
