@@ -253,7 +253,6 @@ def default_others_limit() -> float | None:
     return None if value == "off" else float(value)
 
 
-DECISIONS = ("holds", "undecided", "unconfirmed", "fails")  # Comparison.decision's answers
 
 
 @dataclass(frozen=True)
@@ -505,7 +504,11 @@ def confirmed(measure: Callable[[], Comparison], claims) -> Comparison:
     way: then the second comes back with the first as its ``first``, and a claim fails only
     if both decide it so (``Comparison.decision``). Pass a ``measure`` that starts afresh
     (new rounds, new processes where the first used fresh ones)."""
-    first = measure()
+    return _again_if_wrong(measure(), measure, claims)
+
+
+def _again_if_wrong(first: Comparison, measure: Callable[[], Comparison], claims) -> Comparison:
+    """``first``, or ``measure()`` with ``first`` as its first when a claim went the wrong way."""
     if not any(first.verdict(c) == "fails" for c in claims):
         return first
     second = measure()
@@ -624,11 +627,7 @@ def _measured_again(comparison: Comparison, claims) -> Comparison:
     its producer did not measure again itself; else the comparison as it is."""
     if comparison.first is not None or comparison.again is None:
         return comparison
-    if not any(comparison.verdict(c) == "fails" for c in claims):
-        return comparison
-    second = comparison.again()
-    second.first = comparison
-    return second
+    return _again_if_wrong(comparison, comparison.again, claims)
 
 
 def _log_claim(comparison: Comparison, claim: Claim, decision: str, lesson: str) -> None:
