@@ -253,8 +253,6 @@ def default_others_limit() -> float | None:
     return None if value == "off" else float(value)
 
 
-
-
 @dataclass(frozen=True)
 class Claim:
     """A speed claim: how the time of ``name`` compares with the time of ``versus``.
