@@ -524,7 +524,8 @@ def _rounds(run, names, rounds, max_rounds, claims, confidence, reject, others_l
     for i in progress(range(max_rounds), "timing rounds (stops when decided)", unit="round"):
         if out.rounds >= rounds and out.decided(claims):
             break
-        if claims and out.rounds + max_rounds - i < min(rounds, 5):
+        if claims and (out.rounds + max_rounds - i < min(rounds, 5)
+                       or (i >= rounds and out.rounds < i / 3)):  # fmt: skip
             break  # so many rounds set aside that no claim can be decided: a busy machine
         with watch.round():
             row = {name: run(name) for name in names[i % len(names) :] + names[: i % len(names)]}

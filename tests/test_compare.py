@@ -288,7 +288,14 @@ def test_a_machine_too_busy_to_decide_stops_the_rounds_early(monkeypatch):
     calls = []
     result = interleave(lambda n: calls.append(n) or 1.0, ["a", "b"], rounds=5, max_rounds=15,
                         claims=[Claim("a", "faster", "b")])  # fmt: skip
-    # After 11 rounds set aside, 4 more could not make the 5 a decision needs: it stops.
-    assert len(calls) == 2 * 11 and result.rounds == 0 and result.set_aside() == 11
+    # After 5 rounds, none of them kept (under a third): it stops, undecided.
+    assert len(calls) == 2 * 5 and result.rounds == 0 and result.set_aside() == 5
     assert result.decision(Claim("a", "faster", "b")) == "undecided"
-    assert "a busy machine: 11 rounds set aside" in result.describe(Claim("a", "faster", "b"))
+    assert "a busy machine: 5 rounds set aside" in result.describe(Claim("a", "faster", "b"))
+    # Every other round disturbed: more than a third kept, it goes on until it decides.
+    loads = iter([0.9, 0.0] * 20)
+    monkeypatch.setattr(hardware, "OtherLoad", lambda: _Load(next(loads)))
+    half = interleave({"a": 1.0, "b": 2.0}.get, ["a", "b"], rounds=5, max_rounds=15,
+                      claims=[Claim("a", "faster", "b")])  # fmt: skip
+    assert half.rounds == 5 and half.set_aside() == 5
+    assert half.decision(Claim("a", "faster", "b")) == "holds"
