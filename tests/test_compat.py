@@ -97,3 +97,15 @@ def test_the_trainer_is_switched_with_this_versions_keyword(tmp_path):
         warnings.simplefilter("error", FutureWarning)  # never the deprecated alias
         args = trainer_arguments(str(tmp_path), "cpu", **keywords)
     assert getattr(args, name) is True and keywords[f"{name}_kwargs"] == {"use_reentrant": False}
+
+
+def test_readme_names_what_each_missing_optional_package_costs():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("| missing | lessons | what happens |", 1)[1].split("\n\n", 1)[0]
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    for package in compat.OPTIONAL:
+        row = next((line for names, line in rows.items() if package.distribution in names), "")
+        assert row, f"README's table of missing packages lacks {package.distribution}"
+        assert package.lessons in row, (package.distribution, package.lessons, row)
