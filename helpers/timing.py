@@ -319,9 +319,10 @@ class Comparison:
     @classmethod
     def of(cls, kept: dict[str, list[float]], aside: dict[str, list[float]], **fields):
         """A Comparison of rounds kept and rounds set aside, given apart."""
-        n_kept = min((len(t) for t in kept.values()), default=0)
-        n_aside = min((len(aside.get(n, [])) for n in kept), default=0)
-        times = {n: t[:n_kept] + aside.get(n, [])[:n_aside] for n, t in kept.items()}
+        names = list(dict.fromkeys([*kept, *aside]))  # every round may have been set aside
+        n_kept = min((len(kept.get(n, [])) for n in names), default=0)
+        n_aside = min((len(aside.get(n, [])) for n in names), default=0)
+        times = {n: kept.get(n, [])[:n_kept] + aside.get(n, [])[:n_aside] for n in names}
         return cls(times, kept=[True] * n_kept + [False] * n_aside, **fields)
 
     def _counted(self, values: list[float]) -> list[float]:
@@ -335,21 +336,27 @@ class Comparison:
         return min((len(self._counted(t)) for t in self.times.values()), default=0)
 
     def ratios(self, name: str, versus: str) -> list[float]:
-        """time(name) / time(versus), round by round (the rounds that count)."""
+        """time(name) / time(versus), round by round, over ``reported``'s rounds: the counted
+        ones, or all of them where fewer than 3 count (for tables and plots)."""
+        counted = self._counted_ratios(name, versus)
+        if len(counted) >= 3:
+            return counted
+        return [a / b for a, b in zip(self.times[name], self.times[versus], strict=False)]
+
+    def _counted_ratios(self, name: str, versus: str) -> list[float]:
+        """The per-round ratios of the counted rounds only: what decides a claim."""
         pairs = zip(self._counted(self.times[name]), self._counted(self.times[versus]),
                     strict=False)  # fmt: skip
         return [a / b for a, b in pairs]
 
     def ratio(self, name: str, versus: str) -> float:
-        """Median of the per-round time ratios (over ``reported``'s rounds)."""
-        ratios = self.ratios(name, versus)
-        if len(ratios) < 3:
-            ratios = [a / b for a, b in zip(self.times[name], self.times[versus], strict=False)]
-        return statistics.median(ratios)
+        """Median of the per-round time ratios (``ratios``)."""
+        return statistics.median(self.ratios(name, versus))
 
     def interval(self, name: str, versus: str) -> tuple[float, float] | None:
-        """Where the median ratio lies at ``confidence`` (see ``median_interval``)."""
-        return median_interval(self.ratios(name, versus), self.confidence)
+        """Where the median ratio lies at ``confidence`` (see ``median_interval``), from the
+        counted rounds only; None where they are too few (fewer than 5 at 90 %)."""
+        return median_interval(self._counted_ratios(name, versus), self.confidence)
 
     def reported(self, name: str) -> list[float]:
         """The rounds a number is reported from: those that count, or every round where fewer

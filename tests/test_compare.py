@@ -299,3 +299,16 @@ def test_a_machine_too_busy_to_decide_stops_the_rounds_early(monkeypatch):
                       claims=[Claim("a", "faster", "b")])  # fmt: skip
     assert half.rounds == 5 and half.set_aside() == 5
     assert half.decision(Claim("a", "faster", "b")) == "holds"
+
+
+def test_a_comparison_of_rounds_all_set_aside_still_reports():
+    # A busy machine can set every round aside: the numbers are still reported (from all
+    # rounds), nothing is decided, and a contender known only from set-aside rounds is there.
+    every = Comparison.of({"a": []}, {"a": [1.0, 1.1, 0.9], "b": [2.0, 2.1, 1.9]})
+    assert every.rounds == 0 and every.interval("a", "b") is None
+    assert every.median("b") == 2.0 and every.ratio("a", "b") == pytest.approx(0.5)
+    assert min(every.ratios("a", "b")) <= every.ratio("a", "b") <= max(every.ratios("a", "b"))
+    assert every.decision(Claim("a", "faster", "b")) == "undecided"
+    few = Comparison.of({"a": [1.0], "b": [2.0]}, {"a": [3.0, 3.0], "b": [2.0, 2.0]})
+    assert few.rounds == 1 and len(few.ratios("a", "b")) == 3  # reported: every round
+    assert few.ratio("a", "b") == pytest.approx(1.5) and few.interval("a", "b") is None
