@@ -531,8 +531,9 @@ def _rounds(run, names, rounds, max_rounds, claims, confidence, reject, others_l
     for i in progress(range(max_rounds), "timing rounds (stops when decided)", unit="round"):
         if out.rounds >= rounds and out.decided(claims):
             break
-        if claims and (out.rounds + max_rounds - i < min(rounds, 5)
-                       or (i >= rounds and out.rounds < i / 3)):  # fmt: skip
+        if watch.too_busy(i, out.rounds, rounds) or (
+            claims and out.rounds + max_rounds - i < min(rounds, 5)
+        ):
             break  # so many rounds set aside that no claim can be decided: a busy machine
         with watch.round():
             row = {name: run(name) for name in names[i % len(names) :] + names[: i % len(names)]}
@@ -567,6 +568,12 @@ class Disturbance:
             self.into.others.append(load.cores)
             if self.limit is not None and load.cores > self.limit:
                 self._busy = f"other processes used over {self.limit:g} of a core"
+
+    @staticmethod
+    def too_busy(attempts: int, kept: int, wanted: int) -> bool:
+        """Whether to stop: ``wanted`` rounds tried, and fewer than a third of the rounds so
+        far were kept (more would decide nothing; what was measured is still reported)."""
+        return attempts >= wanted and kept < attempts / 3
 
     def set_aside(self, reason: str | None = None) -> bool:
         """Whether the last round is left out (for ``reason``, or for a busy machine): True

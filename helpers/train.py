@@ -481,9 +481,11 @@ def forward_backward(
         out = ForwardBackwardResult(flops[0], flops[1], [], [], {}, {}, flops[2], {})
         out.aside = ForwardBackwardResult(flops[0], flops[1], [], [], {}, {}, flops[2], {})
         watch = Disturbance(into=out)
-        for _ in range(max_rounds):
+        for attempt in range(max_rounds):
             if len(out.forward_times) >= rounds and out.decided(claims):
                 break
+            if watch.too_busy(attempt, len(out.forward_times), rounds):
+                break  # a machine that busy decides nothing: report what was measured
             model.zero_grad(set_to_none=True)
             with watch.round():
                 row = _forward_backward_round(forward, both, device)

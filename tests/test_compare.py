@@ -312,3 +312,11 @@ def test_a_comparison_of_rounds_all_set_aside_still_reports():
     few = Comparison.of({"a": [1.0], "b": [2.0]}, {"a": [3.0, 3.0], "b": [2.0, 2.0]})
     assert few.rounds == 1 and len(few.ratios("a", "b")) == 3  # reported: every round
     assert few.ratio("a", "b") == pytest.approx(1.5) and few.interval("a", "b") is None
+
+
+def test_a_fixed_count_of_rounds_stops_when_too_busy():
+    from helpers.timing import Disturbance
+
+    assert not Disturbance.too_busy(4, 0, 5)  # not yet the wanted number of attempts
+    assert Disturbance.too_busy(5, 1, 5)  # 1 of 5 kept: under a third
+    assert not Disturbance.too_busy(6, 2, 5)  # 2 of 6: a third exactly, go on

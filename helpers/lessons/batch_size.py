@@ -130,8 +130,8 @@ def _matmul_rounds(call, sizes, dev, repeats: int, out: MatmulTimingResult):
     kept: dict[int, list[float]] = {n: [] for n in sizes}
     mask: list[bool] = []  # each round: kept (True) or set aside
     watch = Disturbance(into=out)
-    for _ in range(2 * repeats):
-        if len(kept[sizes[0]]) >= repeats:
+    for attempt in range(2 * repeats):
+        if len(kept[sizes[0]]) >= repeats or watch.too_busy(attempt, sum(mask), repeats):
             break
         with watch.round():
             row = {n: time_fn(call(n), dev, warmup=0, repeats=1).times for n in sizes}

@@ -276,7 +276,7 @@ def paired_step_times(cfg, repeats: int = 20) -> PairedTimingResult:
     out = PairedTimingResult(args=(cfg, repeats))
     watch = Disturbance(into=out)  # a pair other processes disturbed is left out
     for i in range(2 * repeats):  # until ``repeats`` undisturbed pairs, at most twice as many
-        if len(out.kept) >= repeats:
+        if len(out.kept) >= repeats or watch.too_busy(i, len(out.kept), repeats):
             break
         order = (False, True) if i % 2 == 0 else (True, False)
         with watch.round():
