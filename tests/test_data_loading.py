@@ -181,8 +181,9 @@ def test_loop_rounds_leave_out_rounds_run_while_other_processes_were_busy():
     from helpers.lessons.data_loading import loop_rounds
 
     config = LoaderConfig(words_per_doc=40, seq_len=16, steps=2, warmup=1, device="cpu")
-    # Any measured load, even none, is at least -1 core: every round is left out.
-    out = loop_rounds({"a": config, "b": config}, rounds=1, max_rounds=2, max_others=-1)
+    # Any measured load, even none, is at least -1 core: every round is left out, and the
+    # rounds stop once the 2 wanted were tried (fewer than a third kept), not at max_rounds.
+    out = loop_rounds({"a": config, "b": config}, rounds=2, max_rounds=4, max_others=-1)
     assert out.quiet.rounds == 0 and list(out.quiet.left_out.values()) == [2]
     claim = Claim("a", "faster", "b")
     assert out.quiet.verdict(claim) == "undecided" and "2 left out" in out.quiet.describe(claim)
