@@ -393,13 +393,17 @@ class CategoryTracker(MemTracker):
     def _pre_fw_hook(self, module, inputs) -> None:
         # MemTracker refuses a second top-level forward of a module in one tracked region
         # (gradient accumulation runs several). We read only the category totals, never its
-        # per-module statistics, so we clear those at each new top-level forward instead.
+        # per-module statistics, so we drop that module's (and its submodules') statistics at
+        # its new top-level forward instead. Only theirs: other modules called at the top
+        # level (a decoder body, then its head chunk by chunk, as a chunked loss does) still
+        # need theirs for their backward.
         if not self._mod_tracker.is_bw:
             name = self._mod_tracker.get_known_fqn(module)
             if set(self._mod_tracker.parents) - {name} == {"Global"}:
                 self.micro += 1
                 if module in self.memory_tracking:
-                    self.reset_mod_stats()
+                    for inner in module.modules():
+                        self.memory_tracking.pop(inner, None)
         super()._pre_fw_hook(module, inputs)
 
     def _track(self, reftype, t: torch.Tensor) -> None:
