@@ -10,6 +10,10 @@ b. the estimator against the real allocator: settings run each in a fresh proces
    ``max_memory_allocated`` and ``max_memory_reserved`` and NVML, the gaps named;
 d. the capstone's nine recipes, which are among b's runs: samples/s, device memory and MFU next
    to the guide's V100 table (rendered from b's records, so it costs no extra time);
+e. the recipes (``recipes/*.py``, the plain scripts learners copy) on this device, each in
+   its own process, with the settings that drive their GPU-only paths (fp16 with GradScaler,
+   8-bit AdamW, the flash SDPA backend, QLoRA, fp8, the CUDA memory snapshot, DDP and FSDP2
+   under torchrun with NCCL);
 c. the lessons: every notebook in a fresh kernel at the tiny scale, then at the full scale in
    an order that puts first the lessons no earlier report covered, as long as time is left.
    Speed claims are reported, not failing (``COURSE_SPEED_CLAIMS=report``).
@@ -34,6 +38,7 @@ from pathlib import Path
 from helpers import compat
 from helpers.isolate import call_isolated
 from helpers.names import GiB, MiB, human_bytes
+from helpers.recipes import recipe_names
 from helpers.train import RunConfig, measure
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: notebooks/, tools/, reports/
@@ -71,6 +76,7 @@ class GpuCheckResult:
     preflight: str = ""
     estimator: list[dict] = field(default_factory=list)
     capstone: list[dict] = field(default_factory=list)
+    recipes: list[dict] = field(default_factory=list)
     lessons: list[dict] = field(default_factory=list)
     order: str = ""  # the full-scale order and why
     not_reached: list[str] = field(default_factory=list)
@@ -81,6 +87,8 @@ class GpuCheckResult:
     def problems(self) -> list[str]:
         """What failed: a preflight check, an estimator run, a notebook."""
         out = [f"estimator: {r['label']}: {r['error']}" for r in self.estimator if r.get("error")]
+        out += [f"recipe {r['recipe']}: {r['note']}" for r in self.recipes
+                if r["outcome"] == "failed"]  # fmt: skip
         out += [f"lesson {r['lesson']} ({r['scale']}): {r['outcome']}" for r in self.lessons
                 if r["outcome"] == "failed"]  # fmt: skip
         if "checks fail" in self.preflight:  # format_result's last line when one fails
@@ -317,6 +325,89 @@ def _part_d(records: dict, result: GpuCheckResult) -> None:
         entry["mfu"] = rec.mfu if rec is not None and rec.ok else None
         entry["hfu"] = rec.hfu if rec is not None and rec.ok else None
         result.capstone.append(entry)
+
+
+# --------------------------------------------------------------------------------------------
+# e. The recipes on this device
+
+
+def recipe_runs(device: str, quick: bool = False) -> list[tuple[str, list[str]]]:
+    """(label, command) for each recipe run: every recipe with its defaults, then the variants
+    whose paths only a GPU takes. ``quick``: the base recipe alone (make test's version)."""
+    py = [sys.executable]
+    names = ["base"] if quick else recipe_names()
+    runs = []
+    for name in names:
+        script = str(ROOT / "recipes" / f"{name}.py")
+        if name in ("ddp", "fsdp2"):  # one process per GPU; one here
+            cmd = [*py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                   script]  # fmt: skip
+        else:
+            cmd = [*py, script]
+        extra = ["--optimizer", "torch"] if name == "deepspeed_offload" else []  # no C++ build
+        runs.append((name, [*cmd, "--steps", "3", "--device", device, *extra]))
+    if quick or not device.startswith("cuda"):
+        return runs
+    variants = {
+        "mixed_precision": [["--precision", "fp16"], ["--precision", "tf32"]],
+        "optimizers": [["--optim", "adamw8bit"]],
+        "attention": [["--backend", "flash", "--precision", "bf16"],
+                      ["--backend", "efficient", "--precision", "bf16"]],
+        "lora": [["--qlora"]],
+        "compile": [["--backend", "inductor"]],
+        "deepspeed_offload": [["--stage", "3"]],
+    }  # fmt: skip
+    for name, extras in variants.items():
+        base = next((cmd for label, cmd in runs if label == name), None)
+        if base is not None:
+            runs += [(f"{name} {' '.join(extra)}", [*base, *extra]) for extra in extras]
+    return runs
+
+
+def run_recipe(label: str, cmd: list[str], timeout: float, cwd: Path) -> dict:
+    """One recipe in its own process: passed, skipped (it said what it needs), or failed."""
+    start = time.monotonic()
+    env = {**os.environ, "PYTHONPATH": ""}  # a recipe needs nothing of the course
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                              env=env)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"recipe": label, "outcome": "failed", "seconds": round(timeout),
+                "note": f"still running after {timeout:.0f} s"}  # fmt: skip
+    seconds = round(time.monotonic() - start, 1)
+    lines = [x for x in (done.stdout + "\n" + done.stderr).splitlines() if x.strip()]
+    last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+    if done.returncode == 0:
+        rate = next((x for x in reversed(lines) if "tokens/s" in x), "")
+        return {"recipe": label, "outcome": "passed", "seconds": seconds, "note": rate}
+    if "pip install" in last or last.startswith("needs ") or "needs " in last.split(":")[0]:
+        return {"recipe": label, "outcome": "skipped", "seconds": seconds, "note": last}
+    return {"recipe": label, "outcome": "failed", "seconds": seconds,
+            "note": " / ".join(lines[-3:])[-400:]}  # fmt: skip
+
+
+def _part_e(run: _Run) -> None:
+    """Every recipe on this device while time allows (a third of what is left at most)."""
+    cfg, result, clock = run.cfg, run.result, run.clock
+    work = ROOT / "build" / "gpu-check" / "recipes"
+    work.mkdir(parents=True, exist_ok=True)
+    stop = clock.left() * (2 / 3)  # leave two thirds for the notebooks
+    for label, cmd in recipe_runs(cfg.device or "cpu", cfg.quick):
+        if clock.left() < stop or clock.left() < 30:
+            result.not_reached.append(f"recipe {label}: no time left")
+            continue
+        row = run_recipe(label, cmd, timeout=min(180.0, clock.left() - 10), cwd=work)
+        result.recipes.append(row)
+        run.write()
+        run.say(f"[e] {label}: {row['outcome']} in {row['seconds']:.0f} s {row['note']}")
+
+
+def _recipes_markdown(result: GpuCheckResult) -> list[str]:
+    if not result.recipes:
+        return []
+    rows = [[r["recipe"], r["outcome"], f"{r['seconds']:.0f}", r["note"].replace("|", "/")]
+            for r in result.recipes]  # fmt: skip
+    return ["## e. The recipes", "", *_table(["recipe", "outcome", "seconds", "note"], rows), ""]
 
 
 def _plain(value):
@@ -568,7 +659,7 @@ def report_paths(out: Path, card: str, when: datetime) -> tuple[Path, Path]:
 def run_gpu_check(
     cfg: GpuCheckConfig, say: Callable[[str], None] = lambda text: None
 ) -> tuple[GpuCheckResult, Path]:
-    """Run parts a, b, d and c within the deadline; the result and the Markdown report's path.
+    """Run parts a, b, d, e and c within the deadline; the result and the Markdown report's path.
 
     The report is rewritten after every step; ``say`` receives one line per step.
     """
@@ -595,6 +686,7 @@ def run_gpu_check(
     records = _part_b(run)
     _part_d(records, result)
     write()
+    _part_e(run)
     _part_c(run, ROOT / "build" / "gpu-check" / "executed", preflight.lesson_minutes)
     result.finished = True
     write()
@@ -655,7 +747,8 @@ def render_markdown(result: GpuCheckResult, cfg: GpuCheckConfig) -> str:
         "```",
         "",
     ]
-    lines += _estimator_markdown(result) + _capstone_markdown(result) + _lessons_markdown(result)
+    lines += _estimator_markdown(result) + _capstone_markdown(result)
+    lines += _recipes_markdown(result) + _lessons_markdown(result)
     if result.not_reached:
         lines += ["## Not reached", "", *(f"- {item}" for item in result.not_reached), ""]
     return "\n".join(lines)

@@ -43,7 +43,7 @@ def test_the_quick_run_writes_every_part_of_the_report(quick_run):
     _, md = quick_run
     text = md.read_text()
     for heading in ("## a. Environment", "### Preflight", "## b. The estimator",
-                    "## d. The capstone", "## c. The lessons"):  # fmt: skip
+                    "## d. The capstone", "## e. The recipes", "## c. The lessons"):  # fmt: skip
         assert heading in text, heading
     data = json.loads(md.with_suffix(".json").read_text())
     assert data["finished"] and data["device"] == "cpu"
@@ -54,6 +54,27 @@ def test_the_quick_run_writes_every_part_of_the_report(quick_run):
         assert row["predicted"]["peak"] == pytest.approx(row["tracked"]["peak"], rel=0.02)
         assert row["max_allocated"] is None  # no caching allocator on a CPU
     assert [r["recipe"] for r in data["capstone"] if r["status"] == "ok"] == ["vanilla", "16-bit"]
+    # The base recipe ran as a plain script on this device and printed its throughput.
+    assert [(r["recipe"], r["outcome"]) for r in data["recipes"]] == [("base", "passed")]
+    assert "tokens/s" in data["recipes"][0]["note"]
+
+
+def test_the_recipes_on_a_gpu_include_the_gpu_only_variants():
+    labels = [label for label, _ in G.recipe_runs("cuda")]
+    assert {"base", "ddp", "fsdp2", "fp8", "profile_memory"} <= set(labels)
+    assert {"mixed_precision --precision fp16", "optimizers --optim adamw8bit", "lora --qlora",
+            "attention --backend flash --precision bf16"} <= set(labels)  # fmt: skip
+    ddp = dict(G.recipe_runs("cuda"))["ddp"]
+    assert "--standalone" in ddp and ddp[ddp.index("--device") + 1] == "cuda"
+    assert [label for label, _ in G.recipe_runs("cpu", quick=True)] == ["base"]
+
+
+def test_a_recipe_that_needs_what_is_missing_is_skipped_and_a_crash_fails(tmp_path):
+    need = [sys.executable, "-c", "raise SystemExit('fp8.py needs an NVIDIA GPU of 8.9+')"]
+    assert G.run_recipe("fp8", need, 60, tmp_path)["outcome"] == "skipped"
+    crash = [sys.executable, "-c", "raise ValueError('broken')"]
+    row = G.run_recipe("x", crash, 60, tmp_path)
+    assert row["outcome"] == "failed" and "ValueError: broken" in row["note"]
 
 
 def test_a_failing_notebook_is_reported_with_its_cell_and_error(quick_run):
