@@ -68,7 +68,7 @@ ifneq ($(strip $(COURSE_SCALE)),)
 endif
 
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
-LINT_PATHS := $(wildcard helpers tests tools notebooks)
+LINT_PATHS := $(wildcard helpers tests tools notebooks recipes)
 TEST_RESULTS := $(CURDIR)/build/test-results.jsonl
 CLAIMS := $(CURDIR)/build/claims.jsonl
 # The lessons that check speed claims (all but 07): make load-test runs them under a bursty load.
