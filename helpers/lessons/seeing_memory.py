@@ -147,27 +147,3 @@ def growth(t: Timeline, index: int | None = None) -> dict[str, int]:
     """Bytes each category added between the step's start and point ``index`` (the peak)."""
     i = t.peak_index if index is None else index
     return {k: v[i] - v[0] for k, v in t.alive.items()}
-
-
-def snapshot_step(cfg: RunConfig, path: str) -> str:
-    """One steady-state step of ``cfg`` recorded by CUDA's allocator history into ``path``."""
-    from helpers.device import record_memory_history
-    from helpers.train import Trainee
-
-    trainee = Trainee(cfg)
-    for _ in range(max(1, cfg.warmup)):
-        trainee.step()
-    with record_memory_history(trainee.device, path):
-        trainee.step()
-    return path
-
-
-def profile_trainee_step(cfg: RunConfig, path: str):
-    """``helpers.profiling.profile_step`` on a steady-state step of ``cfg``, and the bytes of
-    weights, buffers and optimizer state that were there before the profiler started."""
-    from helpers.profiling import profile_step, resident_bytes
-    from helpers.train import Trainee
-
-    trainee = Trainee(cfg)
-    result = profile_step(trainee.step, trainee.device, path, warmup=max(1, cfg.warmup))
-    return result, resident_bytes(trainee.model, trainee.optimizer, trainee.device)
