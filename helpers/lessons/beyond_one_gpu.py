@@ -16,9 +16,10 @@ same settings as environment variables under ``torchrun``) applies ``fully_shard
 ``accelerator.prepare``. Accelerate 1.15 runs FSDP only for GPU-like devices: on CPU processes
 it sets up multi-CPU data parallelism and refuses an already sharded model. So on the CPU
 this module applies ``fully_shard`` itself, the calls Accelerate makes (each transformer layer,
-the input embedding, the final norm with the head, then the root), points the optimizer at
-the sharded parameters, gives each process its share of the batches, and lets the loop's
-``Accelerator`` see one process (``_one_process_view``). The loop itself is unchanged.
+the input embedding, the final norm with the head, then the root), then makes the optimizer
+on the sharded parameters (the order the FSDP2 docs ask for), gives each process its share of
+the batches, and lets the loop's ``Accelerator`` see one process (``_one_process_view``). The
+loop itself is unchanged.
 
 How memory is seen: DDP and one process, by the course's ``CategoryTracker`` (DDP's gradient
 buckets, allocated in C++ when the model is wrapped, are registered with it as their own line);
@@ -185,24 +186,21 @@ def _init_process_group(placement: Placement) -> None:
 # FSDP2 by hand (what Accelerate does on GPUs), for processes on the CPU
 
 
-def shard_by_hand(model: torch.nn.Module, optimizer) -> list[str]:
+def shard_by_hand(model: torch.nn.Module) -> list[str]:
     """``fully_shard`` the units Accelerate 1.15 makes on GPUs (``fsdp_units``: each
-    transformer layer, the input embedding, the final norm with the head, then the root),
-    and point the optimizer at the sharded parameters (it has no state yet, as in
-    Accelerate's ``prepare``). Returns the units' names."""
+    transformer layer, the input embedding, the final norm with the head, then the root).
+    Each parameter becomes a DTensor holding this process's share, so the optimizer is made
+    afterwards, on ``model.parameters()`` (PyTorch's ``fully_shard`` docs and FSDP2 tutorial).
+    Returns the units' names."""
     from torch.distributed.fsdp import fully_shard
 
     from helpers.estimator.parallel import fsdp_units
 
-    before = list(model.parameters())
     units = fsdp_units(model)
     for unit in units[:-1]:
         modules = list(unit.modules) if len(unit.modules) > 1 else unit.modules[0]
         fully_shard(modules, reshard_after_forward=unit.reshard_after_forward)
     fully_shard(model)  # the root: PyTorch keeps it gathered from forward to backward
-    sharded = dict(zip(map(id, before), model.parameters(), strict=True))
-    for group in optimizer.param_groups:
-        group["params"] = [sharded[id(p)] for p in group["params"]]
     return [u.name for u in units]
 
 
@@ -353,7 +351,10 @@ def _local_params(model: torch.nn.Module) -> int:
 def _prepare_rank(cfg: ParallelConfig):
     """Join the processes, build lesson 07's parts, shard them if this process has to; returns
     (loop config, parts, result, meter, whether the loop must see one process)."""
+    from transformers import get_constant_schedule
+
     from helpers.lessons.accelerate_loop import loop_parts
+    from helpers.train import make_optimizer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     strategy = strategy_from_env(cfg.strategy) if world > 1 else "single"
@@ -369,7 +370,12 @@ def _prepare_rank(cfg: ParallelConfig):
     model, optimizer, loader, scheduler = loop_parts(loop_cfg, world)
     rank = int(os.environ.get("RANK", "0"))
     if by_hand:
-        shard_by_hand(model, optimizer)
+        # Shard first, then make the optimizer (and its schedule) on the shards, as loop_parts
+        # makes them; the ones loop_parts made on the whole parameters, never stepped and
+        # holding no state, are dropped.
+        shard_by_hand(model)
+        optimizer = make_optimizer(loop_cfg.optimizer, model, lr=loop_cfg.learning_rate)
+        scheduler = get_constant_schedule(optimizer)
         loader = rank_loader(loader, rank, world)
     result = RankResult(
         rank=rank, world_size=world, strategy=strategy, backend=placement.backend * (world > 1),
