@@ -31,6 +31,12 @@ class OptimizerInBackward:
     What it costs: a parameter's gradient lives only until its own step, so nothing can look at
     all the gradients together, no gradient accumulation over micro-batches (each backward
     would step), and no clipping by the global norm (clipping one tensor at a time is possible).
+
+    It is the course's measuring harness, not a class to train with: it is no
+    ``torch.optim.Optimizer``, so no learning-rate scheduler can drive it, and it has no
+    ``state_dict``/``load_state_dict`` for checkpoints. ``recipes/optimizer_in_backward.py``
+    has both: one scheduler per parameter's optimizer, and a checkpoint keyed by parameter name
+    (the layout of torchtune's ``OptimizerInBackwardWrapper``).
     """
 
     def __init__(self, params, make: Callable[[list], torch.optim.Optimizer]) -> None:

@@ -168,6 +168,30 @@ def test_offload_on_a_gpu_would_free_most_of_what_it_packs():
     assert emulated < none
 
 
+def test_the_checkpointing_study_bundles_the_four_settings():
+    from helpers.lessons.more_memory import CheckpointingResult, CheckpointingStudy, GradientCheck
+
+    results = {mode: CheckpointingResult(mode, {"activations": a << 20, "peak": 9 << 20}, 10, p)
+               for mode, a, p in (("none", 8, 0), ("full", 3, 0), ("selective", 5, 0),
+                                  ("offload", 8, 6 << 20))}  # fmt: skip
+    grads = GradientCheck(dict.fromkeys(results, 1.0), dict.fromkeys(results, 0.0), 0.0)
+    study = CheckpointingStudy(BASE, torch.device("cpu"), results, grads, False, "why")
+    assert study.activations == {"none": 8 << 20, "full": 3 << 20, "selective": 5 << 20,
+                                 "offload": 8 << 20}  # fmt: skip
+    assert study.packed == 6 << 20
+    assert list(study.table().index) == list(CHECKPOINTING)
+    ratios = dict.fromkeys(results, (1.0, 0.9, 1.1))
+    assert figure_problems(study.figure(ratios, title="four settings")) == []
+
+
+def test_fused_step_facts_same_training_and_the_refusal():
+    from helpers.lessons.more_memory import fused_step_facts
+
+    facts = fused_step_facts(replace(BASE, batch_size=1, seq_len=16))
+    assert facts.weight_gap == 0.0  # bitwise on the CPU
+    assert "grad_accum=1" in facts.refusal
+
+
 def test_checkpointing_figure_is_readable():
     act = {"none": 8 << 20, "full": 3 << 20, "selective": 5 << 20, "offload": 8 << 20}
     ratios = {"none": (1, 1, 1), "full": (1.3, 1.1, 1.5), "selective": (1.5, 1.3, 1.7),
@@ -217,6 +241,18 @@ def test_packing_saves_activations_when_lengths_differ():
 
 def test_batch_picture_is_readable():
     assert figure_problems(batch_picture([61, 50, 8, 36], title="padded and packed")) == []
+
+
+def test_packing_config_for_scale_and_the_picture_of_a_check():
+    from helpers.lessons.more_memory import PackingCheck, packing_samples
+    from helpers.scale import get_scale
+
+    scale = get_scale("tiny")
+    cfg = PackingConfig.for_scale(scale, torch.device("cpu"), min_len=16)
+    assert (cfg.model, cfg.max_len, cfg.device) == (scale.decoder, scale.seq_len, "cpu")
+    assert cfg.samples == packing_samples(scale) and cfg.min_len == 16
+    check = PackingCheck([5, 3], 1.0, 0.0, 1.0, 1.0, 2.0, 2.0, 6, 6, 10, 2, 8)
+    assert figure_problems(check.picture(title="two samples")) == []
 
 
 # -- section 5 ---------------------------------------------------------------------------------
@@ -286,6 +322,24 @@ def test_fp8_account_by_hand():
     # backward: grad_output twice (2 x 10 x 32) + weight (16 x 32) + input (10 x 16)
     assert (bf16.largest_casts, fp8.largest_casts) == (0, 640 + 512 + 160)
     assert figure_problems(fp8_figure(account, title="one layer")) == []
+
+
+def test_fp8_layers_account_and_figure_are_the_functions():
+    from helpers.lessons.more_memory import Fp8Layers
+
+    layers = [LinearLayer("a", 16, 32, True, False), LinearLayer("lm_head", 16, 64, False, False)]
+    out = Fp8Layers(layers, tokens=10, step_flops=10_000)
+    assert out.account() == fp8_account(layers, 10)
+    assert figure_problems(out.figure(title="one layer")) == []
+
+
+def test_measure_fp8_without_torchao_runs_nothing(monkeypatch):
+    import helpers.lessons.more_memory as lesson
+
+    monkeypatch.setattr(lesson, "torchao_missing", lambda: "torchao is not installed")
+    out = lesson.measure_fp8(BASE, 4, "no fp8 GPU", torch.device("cpu"))
+    assert (out.reference, out.runs, out.times) == ("fp32", {}, None)
+    assert out.skipped == "torchao is not installed"
 
 
 def test_fp8_keeps_the_high_precision_inputs():

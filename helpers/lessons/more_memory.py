@@ -8,6 +8,13 @@
 - padding-free batches: the samples of a batch packed into one row by transformers'
   ``DataCollatorWithFlattening``, against the same samples padded;
 - fp8 training of Linear layers with torchao, on GPUs of compute capability 8.9 or newer.
+
+The notebook writes each technique itself (the hook, the policy, the context manager, the
+collator, the filter); this module measures. One entry point per measurement, each returning
+what a section prints, plots and asserts: ``measure_savers`` and ``fused_step_facts``
+(section 1), ``measure_checkpointing`` (section 2), ``chunked_loss_facts`` (section 3),
+``packing_check`` and ``measure_packing`` (section 4), ``fp8_layers`` and ``measure_fp8``
+(section 5).
 """
 
 from __future__ import annotations
@@ -244,6 +251,71 @@ def checkpointing_figure(activations: dict[str, int], ratios: dict[str, tuple[fl
     return fig
 
 
+@dataclass
+class CheckpointingStudy:
+    """Section 2's measurements of the four settings, and what prints, times and draws them."""
+
+    config: RunConfig
+    device: torch.device
+    results: dict[str, CheckpointingResult]  # per setting, a fresh process each
+    grads: GradientCheck  # every setting's gradients of one batch, in one more process
+    moves: bool  # whether save_on_cpu takes saved tensors off this device
+    why: str  # the sentence that says so
+
+    @property
+    def activations(self) -> dict[str, int]:
+        """Tracked activation bytes per setting."""
+        return {mode: r.memory["activations"] for mode, r in self.results.items()}
+
+    @property
+    def packed(self) -> int:
+        """Bytes autograd saves for backward that save_on_cpu would move off a GPU."""
+        return self.results["offload"].packed
+
+    def table(self) -> pd.DataFrame:
+        """Activations, peak, counted FLOPs, loss and gradient difference, one row per setting."""
+        return pd.DataFrame({
+            mode: {
+                "activations MiB": r.memory["activations"] / MiB,
+                "peak MiB": r.memory["peak"] / MiB,
+                "step GFLOPs (counted)": r.flops / 1e9,
+                "loss": self.grads.losses[mode],
+                "max |gradient - none's|": self.grads.max_difference[mode],
+            }
+            for mode, r in self.results.items()
+        }).T  # fmt: skip
+
+    def time(self, claims, rounds: int = 5, max_rounds: int = 20):
+        """The four settings' steps timed in interleaved rounds, one long-lived process each
+        (rounds are added while any claim is undecided): a ``helpers.timing`` comparison."""
+        from helpers import isolate
+
+        n = len(CHECKPOINTING)
+        return isolate.compare_benches(
+            {mode: isolate.bench(checkpointing_step, self.config, mode) for mode in CHECKPOINTING},
+            self.device, mode=isolate.mode_for([self.config] * n, self.device), per_round=3,
+            claims=claims, rounds=rounds, max_rounds=max_rounds,
+        )  # fmt: skip
+
+    def figure(self, ratios: dict[str, tuple[float, float, float]], title: str = "") -> Figure:
+        """``checkpointing_figure`` of these activations; offload's packed bytes hatched where
+        they did not move."""
+        packed = 0 if self.moves else self.packed
+        return checkpointing_figure(self.activations, ratios, packed=packed, title=title)
+
+
+def measure_checkpointing(cfg: RunConfig, device: torch.device) -> CheckpointingStudy:
+    """Each setting's memory and FLOPs in a fresh process, then every setting's gradients."""
+    from helpers.isolate import call_isolated
+    from helpers.progress import progress
+
+    moves, why = offload_moves(device)
+    modes = progress(CHECKPOINTING, "four settings, a fresh process each")
+    results = {mode: call_isolated(checkpointing_memory, cfg, mode).unwrap() for mode in modes}
+    grads = call_isolated(gradient_check, cfg).unwrap()
+    return CheckpointingStudy(cfg, device, results, grads, moves, why)
+
+
 # --------------------------------------------------------------------------------------------
 # Section 4: padding-free batches
 
@@ -259,6 +331,14 @@ class PackingConfig:
     attn: str = "sdpa"
     device: str | None = None
     seed: int = 0
+
+    @classmethod
+    def for_scale(cls, scale, device, **overrides) -> PackingConfig:
+        """The lesson's samples at ``scale`` (``packing_samples`` of them, up to its sequence
+        length) for its decoder on ``device``."""
+        fields = dict(model=scale.decoder, samples=packing_samples(scale), max_len=scale.seq_len,
+                      device=str(device))  # fmt: skip
+        return cls(**{**fields, **overrides})
 
 
 def packing_samples(scale) -> int:
@@ -342,6 +422,10 @@ class PackingCheck:
     pad_tokens: int  # of which pads (attention_mask 0)
     packed_tokens: int  # positions of the packed row
 
+    def picture(self, title: str = "") -> Figure:
+        """``batch_picture`` of these samples."""
+        return batch_picture(self.lengths, title=title)
+
 
 def _sample_logits(logits: torch.Tensor, lengths: list[int], packed: bool) -> list[torch.Tensor]:
     """Each sample's logits: its row of a padded batch, or its stretch of the packed row."""
@@ -404,6 +488,34 @@ def packing_memory(cfg: PackingConfig, packed: bool) -> dict:
     with tracker:
         train_step(model, optimizer, [batch])
     return tracker.peaks().as_dict()
+
+
+@dataclass
+class PackingRuns:
+    """One training step on the padded and on the packed batch: memory, and time if measured."""
+
+    memory: dict[str, dict]  # "padded", "packed": per-category peaks (view 1), a fresh process each
+    times: object = None  # the interleaved rounds (a ``helpers.timing`` comparison), or None
+
+
+def measure_packing(cfg: PackingConfig, claims=None, timed: bool = True) -> PackingRuns:
+    """Both batches' memory in fresh processes; with ``timed``, their steps in interleaved
+    rounds, in useful tokens (the samples' own, the same number in both) per second."""
+    from helpers import isolate
+    from helpers.device import resolve
+
+    names = ("padded", "packed")
+    memory = {name: isolate.call_isolated(packing_memory, cfg, name == "packed").unwrap()
+              for name in names}  # fmt: skip
+    if not timed:
+        return PackingRuns(memory)
+    useful = sum(sample_lengths(cfg))
+    times = isolate.compare_benches(
+        {name: isolate.bench(packing_step, cfg, name == "packed") for name in names},
+        resolve(cfg.device), units=dict.fromkeys(names, useful), claims=claims or [],
+        per_round=3, rounds=5, max_rounds=15,
+    )  # fmt: skip
+    return PackingRuns(memory, times)
 
 
 def batch_picture(lengths: list[int], title: str = "") -> Figure:
@@ -522,6 +634,14 @@ class Fp8Layers:
         """The converted layers' FLOPs (3x the forward: backward is two matmuls) / the step's."""
         return 3 * sum(x.forward_flops for x in self.layers if x.converted) / self.step_flops
 
+    def account(self) -> dict[str, Fp8Bytes]:
+        """``fp8_account`` of the converted layers at this many tokens."""
+        return fp8_account(self.layers, self.tokens)
+
+    def figure(self, title: str = "") -> Figure:
+        """``fp8_figure`` of that account."""
+        return fp8_figure(self.account(), title=title)
+
 
 def fp8_layers(cfg: RunConfig) -> Fp8Layers:
     """The model of ``cfg`` (eager attention, so its matmuls are counted): layers and FLOPs."""
@@ -623,6 +743,38 @@ def fp8_run(cfg: RunConfig, fp8: bool, steps: int, emulate: bool = False) -> Fp8
     return out
 
 
+@dataclass
+class Fp8Runs:
+    """Section 5's runs: the reference and fp8 (or its emulation), and their timing if any."""
+
+    reference: str  # "bf16" on an fp8 GPU, else "fp32" (against the emulation)
+    runs: dict[str, Fp8Run]  # the reference's and "fp8"; empty without torchao
+    times: object = None  # interleaved rounds (a helpers.timing comparison) on an fp8 GPU
+    skipped: str = ""  # why the runs did not happen ("" when they did)
+
+
+def measure_fp8(cfg: RunConfig, steps: int, problem: str | None, device) -> Fp8Runs:
+    """Short runs with and without float8, each in a fresh process, and on an fp8 GPU
+    (``problem`` None) both steps timed in interleaved rounds. Elsewhere the float8 run is
+    torchao's emulation (fp8 casts, fp32 products) against fp32; without torchao, nothing."""
+    from helpers import isolate
+
+    reference = "fp32" if problem else "bf16"
+    missing = torchao_missing()
+    if missing:
+        return Fp8Runs(reference, {}, skipped=missing)
+    runs = {name: isolate.call_isolated(fp8_run, cfg, name != reference, steps,
+                                        emulate=problem is not None).unwrap()
+            for name in (reference, "fp8")}  # fmt: skip
+    times = None
+    if problem is None:
+        times = isolate.compare_benches(
+            {name: isolate.bench(fp8_step, cfg, name == "fp8") for name in ("bf16", "fp8")},
+            device, mode=isolate.mode_for([cfg] * 2, device), rounds=5, max_rounds=15,
+        )  # fmt: skip
+    return Fp8Runs(reference, runs, times)
+
+
 def fp8_figure(account: dict[str, Fp8Bytes], title: str = "") -> Figure:
     """Predicted bytes of the converted layers per recipe: kept until backward, and transient."""
     parts = (("saved inputs", "saved_inputs", "#8172B2", None),
@@ -678,13 +830,21 @@ class SaverResult:
                       memory=memory)  # fmt: skip
 
 
-def measure_savers(configs: dict[str, RunConfig]) -> dict[str, SaverResult]:
+class Savers(dict):
+    """Labelled ``SaverResult``s, in the order measured; ``table()`` sets them side by side."""
+
+    def table(self) -> pd.DataFrame:
+        """``saver_table`` of these results."""
+        return saver_table(self)
+
+
+def measure_savers(configs: dict[str, RunConfig]) -> Savers:
     """Each labelled config's timeline (a fresh process each) next to its estimate."""
     from helpers.estimator import estimate_run
     from helpers.timeline import measure_timeline
 
-    return {label: SaverResult(label, cfg, measure_timeline(cfg), estimate_run(cfg))
-            for label, cfg in configs.items()}  # fmt: skip
+    return Savers({label: SaverResult(label, cfg, measure_timeline(cfg), estimate_run(cfg))
+                   for label, cfg in configs.items()})  # fmt: skip
 
 
 def saver_table(results: dict[str, SaverResult]) -> pd.DataFrame:
@@ -731,6 +891,23 @@ def refusal(cfg: RunConfig) -> str:
     except ValueError as err:
         return str(err)
     return ""
+
+
+@dataclass
+class FusedStepFacts:
+    """Section 1 beyond memory: the same training, and a setting the hooks cannot serve."""
+
+    weight_gap: float  # largest |weight difference| after 3 steps after and inside backward
+    refusal: str  # the message for the same run with gradient accumulation (grad_accum=2)
+
+
+def fused_step_facts(cfg: RunConfig) -> FusedStepFacts:
+    """``same_training(cfg)``, and ``refusal`` of ``cfg`` stepping inside backward with
+    grad_accum=2."""
+    from dataclasses import replace
+
+    fused = replace(cfg, optimizer_in_backward=True, grad_accum=2)
+    return FusedStepFacts(same_training(cfg), refusal(fused))
 
 
 # Llama 3's tokenizer has 128,256 tokens. The layers are llama-tiny's at half width at the tiny
@@ -798,6 +975,27 @@ def fused_loss_peak(cfg: RunConfig) -> int:
     reset_device_peaks(trainee.device)
     step()
     return allocator_peaks(trainee.device).allocated
+
+
+@dataclass
+class ChunkedLossFacts:
+    """Section 3 beyond memory: the two losses, the recomputed head, Liger's fused kernel."""
+
+    whole_loss: float  # model(**batch).loss
+    chunked_loss: float  # ChunkedCausalLMLoss on the same batch
+    extra_flops: int  # a chunked step's FLOPs minus a whole-loss step's (counted)
+    liger_skip: str  # why Liger's fused kernel did not run here ("" when it did)
+    liger_peak: int | None = None  # peak allocated bytes of a step with it (CUDA)
+
+
+def chunked_loss_facts(cfg: RunConfig, chunk: int, device: torch.device) -> ChunkedLossFacts:
+    """``loss_pair``, the FLOPs the chunked step adds, and Liger's peak where it can run."""
+    from dataclasses import replace
+
+    whole, chunked = loss_pair(cfg, chunk)
+    extra = step_flops(replace(cfg, loss_chunk=chunk)) - step_flops(cfg)
+    skip = fused_loss_skip(device)
+    return ChunkedLossFacts(whole, chunked, extra, skip, None if skip else fused_loss_peak(cfg))
 
 
 def step_flops(cfg: RunConfig) -> int:
