@@ -1,19 +1,35 @@
 """Progress bars for cells that run many experiments (every lesson; see lesson 00, section 1).
 
-``progress(items, "what")`` wraps ``tqdm.auto``: in JupyterLab a widget bar, in a terminal a
-text bar. They are off where nobody watches: under CI (the ``CI`` variable, which CI services
-set), when ``COURSE_PROGRESS=0`` (``make test`` sets it, so nbval logs stay clean), and in the
-processes the lessons start for isolated experiments (their bars would only reach the
-kernel's log, not the notebook). ``COURSE_PROGRESS=1`` turns them on even under CI.
+``progress(items, "what")`` is a tqdm bar. In a terminal it is tqdm's own text bar. In a
+notebook it is the same text meter shown as a plain-text output that one display handle keeps
+updating (``display(..., display_id=True)`` then ``handle.update``), not tqdm's ipywidgets bar:
+
+- tqdm's widget bar turns red whenever a loop ends before ``total``, which the course's timing
+  loops do on purpose (they stop once a claim is decided): red reads as a crash;
+- a widget's output only renders while its kernel-side model lives, so a saved notebook
+  reopened later shows "Error displaying widget: model not found" where each bar was.
+
+A text output has neither problem. When the loop ends, however it ends (done, stopped early,
+an exception), the output is emptied, so a finished cell shows only what the lesson printed.
+
+Bars are off where nobody watches: under CI (the ``CI`` variable, which CI services set), when
+``COURSE_PROGRESS=0`` (``make test`` sets it, so nbval logs stay clean), and in the processes
+the lessons start for isolated experiments (their bars would only reach the kernel's log, not
+the notebook). ``COURSE_PROGRESS=1`` turns them on even under CI.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable
+
+from tqdm.std import tqdm as std_tqdm
 
 # The variable that turns progress bars on ("1") or off ("0"); unset: on, except under CI.
 PROGRESS_VARIABLE = "COURSE_PROGRESS"
+# Seconds between two updates of a notebook bar (each one is a message to the browser).
+NOTEBOOK_INTERVAL = 0.5
 
 
 def enabled() -> bool:
@@ -24,11 +40,51 @@ def enabled() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("", "0", "false")
 
 
+def in_notebook() -> bool:
+    """Whether this process is a Jupyter kernel (its outputs go to a notebook, not a terminal)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+class NotebookBar(std_tqdm):
+    """tqdm's text meter in one notebook output, updated in place and emptied at the end."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs = {"mininterval": NOTEBOOK_INTERVAL, **kwargs, "gui": True}
+        self._handle = None
+        super().__init__(*args, **kwargs)  # gui=True: tqdm calls display() instead of writing
+        if not self.disable:
+            self.display()
+
+    def display(self, msg=None, pos=None):
+        """Show the meter (tqdm calls this on each refresh)."""
+        from IPython.display import display
+
+        text = self.format_meter(**self.format_dict) if msg is None else msg
+        bundle = {"text/plain": text}
+        if self._handle is None:
+            self._handle = display(bundle, raw=True, display_id=True)
+        else:
+            self._handle.update(bundle, raw=True)
+        return True
+
+    def close(self):
+        """Empty the output: a finished bar leaves nothing behind, whatever ended the loop."""
+        if self.disable:
+            return
+        super().close()
+        if self._handle is not None:
+            self._handle.update({"text/plain": ""}, raw=True)
+
+    def clear(self, *_, **__):
+        pass
+
+
 def progress(items: Iterable, desc: str, total: int | None = None, unit: str = "run"):
     """``items`` with a progress bar labelled ``desc`` (no bar when ``enabled()`` is False)."""
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=desc, total=total, unit=unit, disable=not enabled(), leave=False)
+    bar = NotebookBar if in_notebook() else std_tqdm
+    return bar(items, desc=desc, total=total, unit=unit, disable=not enabled(), leave=False)
 
 
 def quiet_here() -> None:

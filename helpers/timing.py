@@ -243,6 +243,9 @@ OTHERS_LIMIT = 0.25
 # how rounds are counted, not how busy the machine is.
 OTHERS_LIMIT_ENV = "COURSE_OTHERS_LIMIT"
 _FROM_ENV = -1.0  # a limit's default: default_others_limit()
+# One measurement's verdict as its line prints it. "fails" is kept for the decision at the end
+# of the line: a single measurement the wrong way is not yet a failure (see check_claims).
+RAW_VERDICT = {"holds": "holds", "fails": "the other way", "undecided": "undecided"}
 
 
 def default_others_limit() -> float | None:
@@ -451,7 +454,7 @@ class Comparison:
         except statistics.StatisticsError:  # no round at all
             ratio = "n/a"
         return (f"median ratio {ratio} ({where} at {self.confidence:.0%}, {self.rounds} rounds"
-                f"{skipped}) {self.verdict(claim)}")  # fmt: skip
+                f"{skipped}) {RAW_VERDICT[self.verdict(claim)]}")  # fmt: skip
 
     def likely_reason(self, claim: Claim) -> str:
         """Why a claim came out undecided or unconfirmed, as far as the rounds can tell."""

@@ -1,11 +1,14 @@
 """Progress bars: on in a notebook, off under CI, in ``make test`` and in isolated children."""
 
 import os
+from pathlib import Path
 
 import pytest
 
 from helpers import isolate
 from helpers.progress import PROGRESS_VARIABLE, enabled, progress
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
@@ -54,3 +57,27 @@ def test_timing_rounds_run_with_bars_on(monkeypatch):
     monkeypatch.setenv(PROGRESS_VARIABLE, "1")
     out = interleave(lambda name: 1.0 if name == "a" else 2.0, ["a", "b"], rounds=3, max_rounds=3)
     assert out.times == {"a": [1.0] * 3, "b": [2.0] * 3}
+
+
+def test_in_a_notebook_a_bar_is_text_that_is_emptied_however_the_loop_ends(monkeypatch):
+    """No ipywidgets bar (red when a loop stops early, "model not found" once reopened): one
+    text output, updated in place, empty after a finished loop, a break and an exception."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    monkeypatch.setenv(PROGRESS_VARIABLE, "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    loops = {
+        "done": "for i in progress(range(3), 'runs'):\n    time.sleep(0.3)",
+        "break": "for i in progress(range(9), 'rounds'):\n    time.sleep(0.3)\n    if i == 2:\n"
+        "        break",
+        "raise": "try:\n    for i in progress(range(9), 'runs'):\n        time.sleep(0.3)\n"
+        "        if i == 2:\n            raise KeyError(i)\nexcept KeyError:\n    pass",
+    }
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("import time\nfrom helpers.progress import progress")]
+    nb.cells += [nbformat.v4.new_code_cell(code) for code in loops.values()]
+    nbclient.NotebookClient(nb, timeout=60, kernel_name="python3").execute()
+    for how, cell in zip(loops, nb.cells[1:], strict=True):
+        kinds = [o.output_type for o in cell.outputs]
+        assert kinds == ["display_data"], (how, cell.outputs)
+        assert cell.outputs[0].data == {"text/plain": ""}, (how, cell.outputs)
