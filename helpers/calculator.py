@@ -145,12 +145,28 @@ class CalculatorResult:
         return None if self.estimate is None else self.estimate.peak <= self.usable
 
     @property
+    def supported(self) -> bool:
+        """Whether the card trains in the setting's precision (bf16 and tf32 need Ampere)."""
+        from helpers.estimator.plan import card_precisions
+
+        return self.setting.precision in card_precisions(self.card)
+
+    @property
+    def runs(self) -> bool | None:
+        """True when the peak fits and the card has the precision (None: no estimate)."""
+        return None if self.estimate is None else bool(self.fits and self.supported)
+
+    @property
     def verdict(self) -> str:
-        """One line: ``fits: 21.6 MiB of 12.9 GiB usable on the T4 (14.7 GiB in all); ...``."""
+        """One line: ``fits: 21.6 MiB of 12.9 GiB usable on the T4 (14.7 GiB in all); ...``.
+
+        Its first word agrees with the rest: a setting whose peak fits but whose precision the
+        card lacks reads ``not on this card``, not ``fits``.
+        """
         if self.estimate is None:
             return self.error
         est, card = self.estimate, self.card
-        word = "fits" if self.fits else "does not fit"
+        word = "does not fit" if not self.fits else "fits" if self.supported else "not on this card"
         text = (
             f"{word}: {human_bytes(est.peak)} of {human_bytes(self.usable)} usable on the "
             f"{short_name(card)} ({human_bytes(card.total_memory)} in all); the peak falls at "
@@ -161,14 +177,12 @@ class CalculatorResult:
     @property
     def precision_note(self) -> str:
         """``; the T4 cannot train in bf16 ...`` when the card lacks the precision, else ""."""
-        from helpers.estimator.plan import card_precisions
-
-        if self.setting.precision in card_precisions(self.card):
+        if self.supported:
             return ""
         major, minor = self.card.capability
         return (
             f"; the {short_name(self.card)} cannot train in {self.setting.precision} (it needs "
-            f"compute capability 8.0, this card has {major}.{minor})"
+            f"compute capability 8.0, this card has {major}.{minor}): pick fp16 or fp32"
         )
 
 
@@ -204,16 +218,31 @@ def one_line(err: BaseException) -> str:
     return text.strip("'\"") if isinstance(err, KeyError) else text
 
 
-def suggest(setting: CalculatorSetting):
-    """The planner's answer (``plan_for_card``): the setting's model, effective batch, card."""
+def suggest(setting: CalculatorSetting, report=None):
+    """The planner's answer (``plan_for_card``): the setting's model, effective batch, card.
+
+    ``report(done, total)`` follows the estimates, as in ``helpers.estimator.plan.candidates``.
+    """
     from helpers.estimator.plan import plan_for_card
 
     lora = {"lora_r": setting.lora_r, "lora_targets": setting.lora_targets}
     with _quiet():
         return plan_for_card(
             setting.model, setting.card, effective_batch=setting.batch_size * setting.grad_accum,
-            seq_len=setting.seq_len, method=setting.method, **(lora if setting.lora_r else {}),
+            seq_len=setting.seq_len, method=setting.method, report=report,
+            **(lora if setting.lora_r else {}),
         )  # fmt: skip
+
+
+def applied(setting: CalculatorSetting, best) -> CalculatorSetting:
+    """``setting`` changed to the planner's candidate ``best``: what "Apply" sets."""
+    from dataclasses import replace
+
+    return replace(
+        setting, batch_size=best.micro_batch, grad_accum=best.grad_accum,
+        gradient_checkpointing=best.gradient_checkpointing, precision=best.precision,
+        optimizer=best.optimizer, attn=best.attn,
+    )  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------
@@ -361,7 +390,7 @@ def verdict_html(result: CalculatorResult) -> str:
     """The verdict as one line: green when it fits, red when not, the error when no estimate."""
     if result.estimate is None:
         return error_html(result.error)
-    color = "#1a7f37" if result.fits else "#b00020"
+    color = "#1a7f37" if result.runs else "#b00020"
     word, _, rest = result.verdict.partition(":")
     return f"<p style='margin:0.3em 0'><b style='color:{color}'>{word}</b>:{html.escape(rest)}</p>"
 
@@ -443,14 +472,21 @@ class Calculator:
             layout=w.Layout(width="max-content"),
         )
         self.suggestion = w.HTML()
+        self.apply_button = w.Button(
+            description="Apply this setup",
+            icon="check",
+            layout=w.Layout(width="max-content", display="none"),  # shown with a suggestion
+        )
         self.result: CalculatorResult | None = None
         self.figure = None  # the Figure drawn last (None while the setting gives an error)
         self.plan = None  # the planner's CardPlan after a click
         self._cache: dict[CalculatorSetting, CalculatorResult] = {}
+        self._applying = False
         self.box = self._layout(w)
         for control in self.controls.values():
             control.observe(self._changed, names="value")
         self.suggest_button.on_click(self._suggest)
+        self.apply_button.on_click(self._apply)
         self._update()
 
     def _layout(self, w):
@@ -459,7 +495,7 @@ class Calculator:
         right = [c for k, c in self.controls.items() if k not in self.LEFT]
         title = w.HTML("<b>Memory calculator</b>: one training step, estimated for a CUDA card")
         return w.VBox([title, w.HBox([w.VBox(left), w.VBox(right)]), self.verdict, self.plot,
-                       self.suggest_button, self.suggestion])  # fmt: skip
+                       self.suggest_button, self.suggestion, self.apply_button])  # fmt: skip
 
     @property
     def setting(self) -> CalculatorSetting:
@@ -482,10 +518,13 @@ class Calculator:
 
     def _changed(self, change=None) -> None:
         """A control changed: estimate again, and say the old suggestion is for another setup."""
+        if self._applying:  # "Apply" sets several controls: one estimate, after the last
+            return
         self._update()
         if self.plan is not None or self.suggestion.value:
             self.plan = None
             self.suggestion.value = "<i>The setup changed: ask again for a suggestion.</i>"
+            self.apply_button.layout.display = "none"
 
     def _update(self) -> None:
         """Estimate the controls' setting (cached); show its figure, then its verdict."""
@@ -504,18 +543,42 @@ class Calculator:
         """Ask the planner for the fastest setup predicted to fit, and show it with its reason."""
         setting = self.setting
         self.suggest_button.disabled = True
-        self.suggestion.value = (
-            "<i>searching the setups that fit (seconds for traced models)...</i>"
-        )
+        self.apply_button.layout.display = "none"
+
+        def report(done: int, total: int) -> None:
+            self.suggestion.value = (
+                f"<i>estimating setup {done} of {total} (a model without an analytical "
+                "estimate is traced: a second or two per new setting)...</i>"
+            )
+
+        self.suggestion.value = "<i>estimating the setups that could fit...</i>"
         try:
-            self.plan = suggest(setting)
+            self.plan = suggest(setting, report)
         except LEARNER_ERRORS as err:
             self.plan = None
             self.suggestion.value = error_html(one_line(err))
         else:
             self.suggestion.value = suggestion_html(self.plan)
+            if self.plan.best is not None:
+                self.apply_button.layout.display = None
         finally:
             self.suggest_button.disabled = False
+
+    def _apply(self, _button=None) -> None:
+        """Set the controls to the suggested setup and estimate it once."""
+        if self.plan is None or self.plan.best is None:
+            return
+        plan, target = self.plan, applied(self.setting, self.plan.best)
+        self._applying = True
+        try:
+            for name in ("batch_size", "grad_accum", "gradient_checkpointing", "precision",
+                         "optimizer", "attn"):  # fmt: skip
+                self.controls[name].value = getattr(target, name)
+        finally:
+            self._applying = False
+        self._update()
+        self.plan = plan  # still the answer for this model, batch and card
+        self.suggestion.value = suggestion_html(plan) + "<p><i>Applied.</i></p>"
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
         """The widget view, plus the static table for a page without the widget manager."""

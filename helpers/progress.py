@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable
+from typing import ClassVar
 
 from tqdm.std import tqdm as std_tqdm
 
@@ -47,14 +48,35 @@ def in_notebook() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
+def _cell() -> str | None:
+    """The id of the request the kernel is answering now (a cell's run, a widget's click)."""
+    from IPython import get_ipython
+
+    header = getattr(get_ipython(), "parent_header", None) or {}
+    return header.get("header", {}).get("msg_id")
+
+
 class NotebookBar(std_tqdm):
-    """tqdm's text meter in one notebook output, updated in place and emptied at the end."""
+    """tqdm's text meter in one notebook output, updated in place and emptied at the end.
+
+    Bars one after another in the same cell share one output (a planner estimating twelve
+    plans shows one line, not twelve), so a cell keeps at most one empty line per nesting
+    level once its loops are done.
+    """
+
+    _free: ClassVar[dict[str, list]] = {}  # per cell: the handles of its closed bars, to reuse
 
     def __init__(self, *args, **kwargs):
         kwargs = {"mininterval": NOTEBOOK_INTERVAL, **kwargs, "gui": True}
         self._handle = None
+        self._cell = _cell()
         super().__init__(*args, **kwargs)  # gui=True: tqdm calls display() instead of writing
         if not self.disable:
+            free = NotebookBar._free
+            if self._cell not in free:  # a new cell: the handles of earlier ones are done
+                free.clear()
+            if free.get(self._cell):
+                self._handle = free[self._cell].pop()
             self.display()
 
     def display(self, msg=None, pos=None):
@@ -76,6 +98,8 @@ class NotebookBar(std_tqdm):
         super().close()
         if self._handle is not None:
             self._handle.update({"text/plain": ""}, raw=True)
+            NotebookBar._free.setdefault(self._cell, []).append(self._handle)
+            self._handle = None
 
     def clear(self, *_, **__):
         pass

@@ -23,6 +23,7 @@ from helpers.calculator import (
     calculator,
     calculator_figure,
     evaluate,
+    verdict_html,
 )
 from helpers.compat import importable
 from helpers.estimator import estimate
@@ -183,3 +184,46 @@ def test_the_calculator_figure_reads_cleanly(setting):
 def test_the_widgets_figure_reads_cleanly():
     calc = calculator(interactive=True)
     assert figure_problems(calc.figure) == []
+
+
+@needs_widgets
+def test_apply_sets_the_controls_to_the_suggestion_and_estimates_it():
+    calc = calculator("bert-large", batch_size=8, seq_len=512, card="t4", interactive=True)
+    assert calc.apply_button.layout.display == "none"  # nothing to apply yet
+    calc.suggest_button.click()
+    best = calc.plan.best
+    assert best is not None and calc.apply_button.layout.display != "none"
+    calc.apply_button.click()
+    setting = calc.setting
+    assert (setting.batch_size, setting.grad_accum, setting.precision, setting.optimizer) == (
+        best.micro_batch, best.grad_accum, best.precision, best.optimizer
+    )  # fmt: skip
+    assert calc.estimate.peak == best.estimated_peak and calc.result.runs
+    assert "Applied" in calc.suggestion.value and calc.plan is not None
+
+
+@needs_widgets
+def test_suggest_reports_its_progress_in_the_suggestion_line(monkeypatch):
+    import helpers.calculator as calc_module
+
+    seen = []
+    real = calc_module.suggest
+    monkeypatch.setattr(
+        calc_module, "suggest", lambda s, report: real(s, lambda d, t: seen.append((d, t)))
+    )
+    calculator("llama-tiny", card="t4", interactive=True).suggest_button.click()
+    assert (
+        seen
+        and seen[-1][0] == seen[-1][1]
+        and [d for d, _ in seen] == list(range(1, len(seen) + 1))
+    )
+
+
+def test_a_fitting_peak_in_a_precision_the_card_lacks_is_not_called_fits():
+    result = evaluate(CalculatorSetting(precision="tf32", card="t4"))
+    assert result.fits and not result.runs
+    assert result.verdict.startswith("not on this card: ") and "cannot train in tf32" in (
+        result.verdict
+    )
+    assert "color:#b00020" in verdict_html(result)
+    assert evaluate(CalculatorSetting(precision="fp16", card="t4")).verdict.startswith("fits: ")

@@ -81,3 +81,17 @@ def test_in_a_notebook_a_bar_is_text_that_is_emptied_however_the_loop_ends(monke
         kinds = [o.output_type for o in cell.outputs]
         assert kinds == ["display_data"], (how, cell.outputs)
         assert cell.outputs[0].data == {"text/plain": ""}, (how, cell.outputs)
+
+
+def test_bars_one_after_another_in_a_cell_share_one_output(monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    monkeypatch.setenv(PROGRESS_VARIABLE, "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    nb = nbformat.v4.new_notebook()
+    loop = "for plan in range(3):\n    for i in progress(range(2), 'setups'):\n        pass\n"
+    nb.cells = [nbformat.v4.new_code_cell(f"from helpers.progress import progress\n{loop}")]
+    nb.cells.append(nbformat.v4.new_code_cell(loop))  # the next cell: a line of its own
+    nbclient.NotebookClient(nb, timeout=60, kernel_name="python3").execute()
+    for cell in nb.cells:
+        assert [o.get("data") for o in cell.outputs] == [{"text/plain": ""}], cell.outputs

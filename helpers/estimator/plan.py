@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -210,11 +211,14 @@ def candidates(
     lora_r: int = 0,
     lora_targets: str = "",
     qlora: bool = False,
+    report: Callable[[int, int], None] | None = None,
 ) -> list[Candidate]:
     """Every configuration of the search space with its estimated peak; cheapest fitting first.
 
     A candidate fits when its estimated peak is within ``usable_budget(budget, device)``.
     ``lora_r`` > 0 trains LoRA adapters (``qlora``: on 4-bit weights, 16-bit precisions only).
+    A traced model takes a second or two per new setting: ``report(done, total)`` is called
+    after each estimate; without it a progress bar counts them.
     """
     from helpers.device import resolve
 
@@ -226,15 +230,19 @@ def candidates(
     optimizers = list(optimizers or available_optimizers())
     infos = {attn: describe_model(model, attn, lora_r, lora_targets) for attn in attentions}
     out = []
-    space = itertools.product(
-        _divisors(effective_batch), checkpointing, precisions, optimizers, attentions
-    )
-    for micro, gc, prec, opt, attn in space:
+    space = list(
+        itertools.product(_divisors(effective_batch), checkpointing, precisions, optimizers,
+                          attentions)
+    )  # fmt: skip
+    steps = progress(space, "estimating setups", unit="setup") if report is None else space
+    for micro, gc, prec, opt, attn in steps:
         accum = effective_batch // micro
         est = estimate(infos[attn], micro, seq_len, prec, opt, gc, attn, accum, device=dev,
                        qlora=qlora)  # fmt: skip
         c = Candidate(micro, accum, gc, prec, opt, attn, est.peak, est.peak <= limit, 0.0, est)
         out.append(replace(c, cost=predicted_cost(c, seq_len, dev.type)))
+        if report is not None:
+            report(len(out), len(space))
     rank = {name: i for i, name in enumerate(optimizers)}  # ties: the order asked for
     out.sort(key=lambda c: (not c.fits, c.cost, rank[c.optimizer], c.estimated_peak))
     return out
@@ -600,6 +608,7 @@ def plan_for_card(
     method: str = "full",
     lora_r: int = 16,
     lora_targets: str = "all-linear",
+    report: Callable[[int, int], None] | None = None,
     **space,
 ) -> CardPlan:
     """The configuration predicted fastest among those estimated to fit ``card``, and why.
@@ -607,7 +616,8 @@ def plan_for_card(
     ``card``: a ``helpers.device.GpuInfo`` or a name of ``helpers.fullscale.REFERENCE_CARDS``
     ("t4", "l4", ...). Nothing runs: the estimator's CUDA branch prices every candidate and
     ``predicted_cost`` ranks them (``plan`` measures and times instead, on a device that is
-    here). ``method``: one of ``METHODS``; ``space`` narrows the search as in ``candidates``.
+    here). ``method``: one of ``METHODS``; ``space`` narrows the search as in ``candidates``,
+    and ``report`` follows it as there.
     """
     from helpers.fullscale import REFERENCE_CARDS
 
@@ -620,7 +630,7 @@ def plan_for_card(
     lora = {"lora_r": lora_r, "lora_targets": lora_targets} if method != "full" else {}
     space.setdefault("precisions", card_precisions(card))
     cands = candidates(model, card.total_memory, effective_batch, seq_len, "cuda",
-                       qlora=method == "qlora", **lora, **space)  # fmt: skip
+                       qlora=method == "qlora", report=report, **lora, **space)  # fmt: skip
     fitting = [c for c in cands if c.fits]
     best = fitting[0] if fitting else None
     usable = usable_budget(card.total_memory, torch.device("cuda"))
