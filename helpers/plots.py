@@ -327,7 +327,8 @@ def memory_timelines(panels: Mapping, ncols: int = 2, title: str = "",
     each."""
     n = len(panels)
     nrows = -(-n // ncols)
-    fig = Figure(figsize=(5.2 * ncols + 1.8, 3.4 * nrows), layout="constrained")
+    # 2 panels a row fit a notebook column (about 9.5 in at 100 dpi) with readable labels.
+    fig = Figure(figsize=(4.2 * ncols + 1.6, 3.2 * nrows), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True).ravel()
     for ax, (name, (measured, predicted)) in zip(axes, panels.items(), strict=False):
         memory_timeline(measured, predicted, title=name, ax=ax, budget=budget)

@@ -592,6 +592,7 @@ class CardPlan:
     fitting: list[Candidate]  # cheapest predicted first
     best: Candidate | None
     reason: str
+    smallest_peak: int = 0  # the lowest estimated peak of every candidate, fitting or not
 
 
 def card_precisions(card) -> list[str]:
@@ -636,8 +637,9 @@ def plan_for_card(
     usable = usable_budget(card.total_memory, torch.device("cuda"))
     name = model if isinstance(model, str) else getattr(model, "model_type", "model")
     reason = explain_for_card(best, cands, card, usable, method)
+    smallest = min(c.estimated_peak for c in cands)
     return CardPlan(str(name), card.name, method, card.total_memory, usable, effective_batch,
-                    seq_len, len(cands), fitting, best, reason)  # fmt: skip
+                    seq_len, len(cands), fitting, best, reason, smallest)  # fmt: skip
 
 
 def explain_for_card(best, cands, card, usable: int, method: str) -> str:

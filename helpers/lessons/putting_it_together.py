@@ -273,7 +273,8 @@ def your_model_plans(models=YOUR_MODELS, cards=YOUR_CARDS, methods=("full", "lor
 
 
 def your_model_table(plans):
-    """One row per plan: the answer, its estimated peak, the path that estimated it."""
+    """One row per plan: the answer, its estimated peak (where nothing fits, the smallest
+    peak of any setup, over the usable memory), the path that estimated it."""
     import pandas as pd
 
     rows = []
@@ -281,8 +282,8 @@ def your_model_table(plans):
         rows.append({
             "model": model, "card": card, "method": method,
             "answer": p.best.label if p.best else "does not fit",
-            "peak GiB": round(p.best.estimated_peak / 2**30, 2) if p.best else None,
+            "peak GiB": round((p.best.estimated_peak if p.best else p.smallest_peak) / 2**30, 2),
             "usable GiB": round(p.usable / 2**30, 2),
-            "path": p.best.estimate.path if p.best else "",
+            "path": p.best.estimate.path if p.best else "(smallest peak)",
         })  # fmt: skip
     return pd.DataFrame(rows).set_index(["model", "card", "method"])
