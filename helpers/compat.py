@@ -170,6 +170,32 @@ def package_report() -> list[PackageStatus]:
     return out
 
 
+def untested_versions() -> str:
+    """One paragraph naming each installed required package outside the tested range and the
+    lessons it may change; "" when every one is inside (a notebook's first cell prints it)."""
+    outside, older = [], []
+    for p in REQUIRED:
+        found = installed_version(p.distribution)
+        if found is None or p.distribution not in TESTED:
+            continue  # doctor reports a missing package; a first cell cannot get this far
+        low, high = TESTED[p.distribution]
+        if _release(found) < _release(low):
+            older.append(f"'{p.distribution}>={low}'")
+        elif _release(found) <= _release(high):
+            continue
+        lessons = "every lesson" if p.lessons == "all" else f"lessons {p.lessons}"
+        outside.append(f"{p.distribution} {found} (tested {low} to {high}; {lessons})")
+    if not outside:
+        return ""
+    text = (
+        f"Outside the versions this course is tested with: {'; '.join(outside)}. Those lessons "
+        "may measure other numbers, and a claim may fail where a library changed."
+    )
+    if older:
+        text += f" To move into the tested range: pip install {' '.join(older)}."
+    return text + " python -m helpers doctor lists every package."
+
+
 def missing_optional(module: str) -> str | None:
     """Why an optional package's runs are skipped here (the package and how to install it),
     or None when it can be imported."""
