@@ -16,8 +16,9 @@
 # By default the commands create .venv with `python3 -m venv` and install the course with every
 # extra into it at the exact versions of requirements/lock.txt (pip install -c
 # requirements/lock.txt -e ".[optional,jupyter,dev]"; again when pyproject.toml or the lock
-# changes). pyproject.toml itself states tested ranges, not pins. In an environment that already has the
-# dependencies (a GPU image, Colab, a cluster module) name its interpreter instead:
+# changes). pyproject.toml itself states tested ranges, not pins. In an environment that
+# already has the dependencies (a GPU image, Colab, a cluster module) name its interpreter
+# instead:
 #
 #   make course PYTHON=python3
 #
@@ -192,7 +193,7 @@ load-course: $(ENV_READY)
 	$(MAKE) --no-print-directory course
 
 # The course's JupyterLab defaults (tools/lab-settings/overrides.json): no pop-up asking about
-# Jupyter news over every notebook, no update checks (the versions are pinned).
+# Jupyter news over every notebook, no update checks (make's .venv has the locked versions).
 LAB_ARGS := --LabApp.app_settings_dir=$(CURDIR)/tools/lab-settings
 
 lab: export COURSE_RESULTS := $(COURSE_RESULTS_FILE)
