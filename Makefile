@@ -13,9 +13,12 @@
 #   make format    strip notebook outputs, ruff check --fix, ruff format
 #   make clean     remove build outputs (make distclean also removes .venv)
 #
-# By default the commands create .venv with `python3 -m venv` and `pip install -e ".[dev]"`
-# into it (again only when pyproject.toml changes). In an environment that already has the
-# dependencies (a GPU image, Colab, a cluster module) name its interpreter instead:
+# By default the commands create .venv with `python3 -m venv` and install the course with every
+# extra into it at the exact versions of requirements/lock.txt (pip install -c
+# requirements/lock.txt -e ".[optional,jupyter,dev]"; again when pyproject.toml or the lock
+# changes). pyproject.toml itself states tested ranges, not pins. In an environment that
+# already has the dependencies (a GPU image, Colab, a cluster module) name its interpreter
+# instead:
 #
 #   make course PYTHON=python3
 #
@@ -101,9 +104,9 @@ $(VENV)/bin/python:
 	  "$(BOOTSTRAP_PYTHON) is Python %d.%d; the course needs 3.10 or newer (make BOOTSTRAP_PYTHON=python3.11 ...)" % sys.version_info[:2])'
 	$(BOOTSTRAP_PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
-	@echo "Installing the course's pinned dependencies into $(VENV) (a few minutes the first time)"
-	$(VENV)/bin/python -m pip install -e ".[dev]"
+$(VENV)/.installed: pyproject.toml requirements/lock.txt | $(VENV)/bin/python
+	@echo "Installing the course at the locked versions into $(VENV) (a few minutes the first time)"
+	$(VENV)/bin/python -m pip install -c requirements/lock.txt -e ".[optional,jupyter,dev]"
 	@touch $@
 
 check-env:
@@ -190,7 +193,7 @@ load-course: $(ENV_READY)
 	$(MAKE) --no-print-directory course
 
 # The course's JupyterLab defaults (tools/lab-settings/overrides.json): no pop-up asking about
-# Jupyter news over every notebook, no update checks (the versions are pinned).
+# Jupyter news over every notebook, no update checks (make's .venv has the locked versions).
 LAB_ARGS := --LabApp.app_settings_dir=$(CURDIR)/tools/lab-settings
 
 lab: export COURSE_RESULTS := $(COURSE_RESULTS_FILE)

@@ -2,10 +2,10 @@
 
 The course supports a tested range of library versions, not one set of pins. Its oldest end is
 what GPU images ship (``requirements/floor.txt``: the image of the course's GPU host, read in
-November 2026), its newest end the pins in ``pyproject.toml``; ``make compat`` runs the tests
-and every notebook at the oldest end. Where an API changed inside that range, the difference
-is handled here, once, and the rest of the course calls the function below instead of asking
-for a version.
+November 2026), its newest end the pins in ``requirements/lock.txt``; ``pyproject.toml`` states
+the range, and ``make compat`` runs the tests and every notebook at the oldest end. Where an
+API changed inside that range, the difference is handled here, once, and the rest of the course
+calls the function below instead of asking for a version.
 
 What a missing optional package costs is also written here, once: ``python -m helpers doctor``
 and ``make gpu-check`` print it, and each lesson says it again where it skips the runs.
@@ -22,8 +22,9 @@ from packaging.version import Version
 
 # --------------------------------------------------------------------------------------------
 # The tested range: (oldest tested, newest tested) per distribution. Both ends run the whole
-# test suite and every notebook: the newest is pyproject.toml's pins (make test), the oldest
-# requirements/floor.txt (make compat). tests/test_repo_consistency.py keeps the three agreeing.
+# test suite and every notebook: the newest is requirements/lock.txt (make test), the oldest
+# requirements/floor.txt (make compat). The oldest ends are pyproject.toml's floors;
+# tests/test_repo_consistency.py keeps the four agreeing.
 
 TESTED: dict[str, tuple[str, str]] = {
     "torch": ("2.11.0", "2.13.0"),
@@ -167,6 +168,32 @@ def package_report() -> list[PackageStatus]:
             found = installed_version(p.distribution) if importable(p.module) else None
             out.append(PackageStatus(p, kind, found, range_verdict(p.distribution, found)))
     return out
+
+
+def untested_versions() -> str:
+    """One paragraph naming each installed required package outside the tested range and the
+    lessons it may change; "" when every one is inside (a notebook's first cell prints it)."""
+    outside, older = [], []
+    for p in REQUIRED:
+        found = installed_version(p.distribution)
+        if found is None or p.distribution not in TESTED:
+            continue  # doctor reports a missing package; a first cell cannot get this far
+        low, high = TESTED[p.distribution]
+        if _release(found) < _release(low):
+            older.append(f"'{p.distribution}>={low}'")
+        elif _release(found) <= _release(high):
+            continue
+        lessons = "every lesson" if p.lessons == "all" else f"lessons {p.lessons}"
+        outside.append(f"{p.distribution} {found} (tested {low} to {high}; {lessons})")
+    if not outside:
+        return ""
+    text = (
+        f"Outside the versions this course is tested with: {'; '.join(outside)}. Those lessons "
+        "may measure other numbers, and a claim may fail where a library changed."
+    )
+    if older:
+        text += f" To move into the tested range: pip install {' '.join(older)}."
+    return text + " python -m helpers doctor lists every package."
 
 
 def missing_optional(module: str) -> str | None:

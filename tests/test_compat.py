@@ -27,6 +27,26 @@ def test_a_version_is_placed_against_the_tested_range(installed, phrase):
     assert phrase in compat.range_verdict("torch", installed)
 
 
+def test_untested_versions_names_what_is_outside_and_nothing_else(monkeypatch):
+    assert compat.untested_versions() == ""  # this environment is the lock or the floor
+    fake = {"torch": "2.10.1", "peft": "0.99.0"}
+    real = compat.installed_version
+    monkeypatch.setattr(compat, "installed_version", lambda d: fake.get(d) or real(d))
+    note = compat.untested_versions()
+    assert "torch 2.10.1 (tested 2.11.0 to 2.13.0; every lesson)" in note
+    assert "peft 0.99.0 (tested 0.20.0 to 0.21.2; lessons 13 14)" in note
+    assert "pip install 'torch>=2.11.0'." in note and "peft>=" not in note
+    assert "transformers" not in note and "\n" not in note  # one paragraph
+
+
+def test_importing_compat_prints_nothing():
+    import subprocess
+
+    code = "import helpers.compat"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout == "", done.stdout
+
+
 def test_doctor_reports_versions_and_what_a_missing_package_costs(monkeypatch, capsys):
     real = compat.importable
     monkeypatch.setattr(compat, "importable", lambda m: m != "deepspeed" and real(m))

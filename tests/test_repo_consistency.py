@@ -1,4 +1,4 @@
-"""The repository's own promises: one set of pins, clean notebooks, CI runs make test."""
+"""The repository's own promises: tested ranges and one lock, clean notebooks, CI runs make test."""
 
 from __future__ import annotations
 
@@ -25,7 +25,11 @@ ALLOWED_NOTEBOOK_METADATA = {"kernelspec", "language_info"}
 
 
 # --------------------------------------------------------------------------------------------
-# (a) pyproject.toml, environment.yml and binder/requirements.txt pin the same packages
+# (a) pyproject.toml states tested ranges; requirements/lock.txt pins them exactly, and
+# environment.yml and binder/requirements.txt pin the same versions as the lock
+
+# Packages pyproject.toml may pin exactly, each with its cause (its comment says it too).
+EXACT_ON_PURPOSE = {"ruff": "another release formats differently, and make test lints"}
 
 
 def _pins(lines: list[str], source: str) -> dict[str, str]:
@@ -41,17 +45,38 @@ def _pins(lines: list[str], source: str) -> dict[str, str]:
     return pins
 
 
+def _requirement_lines(path: Path) -> list[str]:
+    """A requirements file's requirement lines, without comments and pip options."""
+    lines = [line.split("#")[0].strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    return [line for line in lines if line and not line.startswith("-")]
+
+
 def _pyproject() -> dict:
     with open(ROOT / "pyproject.toml", "rb") as f:
         return tomllib.load(f)
 
 
-def pyproject_pins() -> dict[str, str]:
+def pyproject_requirements() -> dict[str, Requirement]:
+    """Every requirement pyproject.toml names, core and extras, by PEP 503 name."""
     project = _pyproject()["project"]
     lines = list(project["dependencies"])
     for extra in project.get("optional-dependencies", {}).values():
         lines.extend(extra)
-    return _pins(lines, "pyproject.toml")
+    found: dict[str, Requirement] = {}
+    for line in lines:
+        req = Requirement(line)
+        name = canonicalize_name(req.name)
+        assert name not in found, f"pyproject.toml: {req.name} is listed twice"
+        found[name] = req
+    return found
+
+
+def lock_pins() -> dict[str, str]:
+    return _pins(_requirement_lines(ROOT / "requirements" / "lock.txt"), "requirements/lock.txt")
+
+
+def floor_pins() -> dict[str, str]:
+    return _pins(_requirement_lines(ROOT / "requirements" / "floor.txt"), "requirements/floor.txt")
 
 
 def _environment_yml() -> dict:
@@ -72,8 +97,8 @@ def binder_lines() -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
 
 
-def test_pyproject_pins_everything_exactly():
-    pins = pyproject_pins()
+def test_pyproject_states_ranges_with_a_floor():
+    requirements = pyproject_requirements()
     for name in (
         "torch",
         "transformers",
@@ -89,10 +114,83 @@ def test_pyproject_pins_everything_exactly():
         "pytest",
         "ruff",
     ):
-        assert name in pins, f"pyproject.toml does not pin {name}"
+        assert name in requirements, f"pyproject.toml does not name {name}"
+    for name, req in requirements.items():
+        operators = [spec.operator for spec in req.specifier]
+        if name in EXACT_ON_PURPOSE:
+            assert operators == ["=="], f"{name}: exact on purpose ({EXACT_ON_PURPOSE[name]})"
+        else:
+            assert operators == [">="], (
+                f"pyproject.toml: {req} must be a floor only (>=): the exact versions belong in "
+                "requirements/lock.txt, and an upper bound needs a stated cause"
+            )
 
 
-def test_environment_yml_matches_pyproject():
+def test_the_core_keeps_out_what_a_gpu_image_or_colab_may_lack():
+    # Installing the course into Colab or a GPU image must not build DeepSpeed or replace the
+    # Jupyter kernel it runs in: those come with the extras (make installs them from the lock).
+    project = _pyproject()["project"]
+    core = {canonicalize_name(Requirement(line).name) for line in project["dependencies"]}
+    extras = project["optional-dependencies"]
+    assert {"torch", "transformers", "accelerate", "datasets", "peft"} <= core
+    assert not core & {"bitsandbytes", "deepspeed", "ipykernel", "jupyterlab", "nbval"}, core
+    assert {canonicalize_name(Requirement(r).name) for r in extras["optional"]} == {
+        "bitsandbytes",
+        "deepspeed",
+    }
+    makefile = (ROOT / "Makefile").read_text()
+    assert 'pip install -c requirements/lock.txt -e ".[optional,jupyter,dev]"' in makefile
+    assert set(extras) == {"optional", "jupyter", "dev"}
+
+
+def test_the_lock_pins_every_dependency_within_its_range():
+    requirements, pins = pyproject_requirements(), lock_pins()
+    assert set(pins) == set(requirements), (
+        f"requirements/lock.txt and pyproject.toml name different packages: "
+        f"only in the lock {sorted(set(pins) - set(requirements))}, "
+        f"only in pyproject {sorted(set(requirements) - set(pins))}"
+    )
+    for name, req in requirements.items():
+        assert req.specifier.contains(pins[name], prereleases=True), (
+            f"requirements/lock.txt pins {name}=={pins[name]}, outside pyproject's {req}"
+        )
+
+
+def test_pyproject_floors_are_the_oldest_tested_versions():
+    # A floor is the oldest version the course ran with: helpers.compat.TESTED's oldest end,
+    # or requirements/floor.txt (what GPU images ship) for a package TESTED does not name.
+    from helpers.compat import TESTED
+
+    floor = floor_pins()
+    named = 0
+    for name, req in pyproject_requirements().items():
+        oldest = TESTED[name][0] if name in TESTED else floor.get(name)
+        if oldest is None or name in EXACT_ON_PURPOSE:
+            continue
+        named += 1
+        (spec,) = req.specifier
+        assert Version(spec.version) == Version(oldest), (
+            f"pyproject.toml has {req}; the oldest tested {name} is {oldest}"
+        )
+    assert named >= 10, "TESTED and floor.txt name too few of pyproject's packages"
+    for name in ("torch", "transformers", "accelerate"):  # a GPU image's own versions
+        assert Version(floor[name]) == Version(TESTED[name][0])
+
+
+def test_every_floor_version_is_inside_pyprojects_range():
+    # What a GPU image ships (requirements/floor.txt) satisfies every range, so pip keeps it
+    # (tests/test_install_keeps_torch.py asks pip itself).
+    floor, requirements = floor_pins(), pyproject_requirements()
+    named = [name for name in floor if name in requirements]
+    assert {"torch", "transformers", "accelerate", "peft"} <= set(named), named
+    for name in named:
+        assert requirements[name].specifier.contains(floor[name], prereleases=True), (
+            f"requirements/floor.txt has {name}=={floor[name]}, outside pyproject's "
+            f"{requirements[name]}: pip would replace it"
+        )
+
+
+def test_environment_yml_matches_the_lock():
     env = _environment_yml()
     assert env["name"] == "single-gpu-course"
     assert env["channels"] == ["conda-forge"]
@@ -102,10 +200,10 @@ def test_environment_yml_matches_pyproject():
     lines = environment_pip_lines()
     assert "-e ." in lines, "environment.yml must install the checkout itself with '-e .'"
     pins = _pins([line for line in lines if not line.startswith("-")], "environment.yml")
-    assert pins == pyproject_pins()
+    assert pins == lock_pins()
 
 
-def test_binder_matches_pyproject():
+def test_binder_matches_the_lock():
     lines = binder_lines()
     assert lines[0] == "--extra-index-url https://download.pytorch.org/whl/cpu", (
         "binder/requirements.txt must take torch from the CPU index: Binder has no GPU and ~2 GB"
@@ -115,25 +213,18 @@ def test_binder_matches_pyproject():
         line for line in requirements if canonicalize_name(Requirement(line).name) == "torch"
     )
     assert torch_line.endswith("+cpu"), torch_line
-    assert _pins(requirements, "binder/requirements.txt") == pyproject_pins()
+    assert _pins(requirements, "binder/requirements.txt") == lock_pins()
 
 
-def test_the_tested_range_spans_the_pins_and_the_floor():
+def test_the_tested_range_spans_the_lock_and_the_floor():
     # helpers.compat.TESTED is what doctor reports against: its two ends are the two
-    # environments the suite runs in, pyproject's pins (make test) and the floor (make compat).
+    # environments the suite runs in, the lock (make test) and the floor (make compat).
     from helpers.compat import TESTED, _release
 
-    pins = pyproject_pins()
-    floor = _pins(
-        [line.split("#")[0].strip() for line in (ROOT / "requirements" / "floor.txt").read_text()
-         .splitlines() if line.split("#")[0].strip()],
-        "requirements/floor.txt",
-    )  # fmt: skip
+    pins, floor = lock_pins(), floor_pins()
     for name, (low, high) in TESTED.items():
         ends = sorted({pins[name], floor.get(name, pins[name])}, key=_release)
         assert [low, high] == [ends[0], ends[-1]], (name, low, high, ends)
-    for name in ("torch", "transformers", "accelerate"):  # the image's own versions
-        assert floor[name] == TESTED[name][0]
 
 
 def test_binder_runtime_and_postbuild():
