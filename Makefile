@@ -107,6 +107,10 @@ $(VENV)/bin/python:
 $(VENV)/.installed: pyproject.toml requirements/lock.txt | $(VENV)/bin/python
 	@echo "Installing the course at the locked versions into $(VENV) (a few minutes the first time)"
 	$(VENV)/bin/python -m pip install -c requirements/lock.txt -e ".[optional,jupyter,dev]"
+	@# The course's JupyterLab settings for this environment's Jupyter too (no news pop-up,
+	@# widget state saved): \`.venv/bin/jupyter lab\` outside make gets them, as Binder does.
+	mkdir -p $(VENV)/share/jupyter/lab/settings
+	cp tools/lab-settings/overrides.json $(VENV)/share/jupyter/lab/settings/overrides.json
 	@touch $@
 
 check-env:
