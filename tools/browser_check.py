@@ -316,7 +316,8 @@ def open_notebook(page, url: str, path: str) -> None:
 def run_all(page) -> None:
     """Run all cells; sent again when the first run is lost while the kernel connects."""
     for _ in range(3):
-        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        # not awaited: the command's promise settles only when the last cell has run
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
         try:
             page.wait_for_function(
                 f"() => ({STATE_JS})().prompts.some(p => /\\[(\\*|\\d+)\\]/.test(p))",

@@ -1,0 +1,135 @@
+"""make browser-check (tools/browser_check.py) catches what a reader would see go wrong.
+
+Tiny scratch notebooks, one JupyterLab for all of them: a progress bar stopped early (red), an
+error, a bar whose widget is gone when the notebook is reopened, figure text too small, a
+silent cell, and a clean notebook that passes. It needs Chromium and a Python with Playwright
+(PLAYWRIGHT_PYTHON, or .venv-playwright in the checkout); without them it is skipped, saying
+which is missing (CI has neither). About a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+
+
+def playwright_python() -> str | None:
+    """A Python that imports Playwright: PLAYWRIGHT_PYTHON, .venv-playwright, or this one."""
+    for python in (os.environ.get("PLAYWRIGHT_PYTHON"), ROOT / ".venv-playwright/bin/python"):
+        if python and Path(python).exists():
+            return str(python)
+    return sys.executable if importlib.util.find_spec("playwright") else None
+
+
+def notebook(*cells: str) -> dict:
+    """A notebook with these code cells, no outputs."""
+    kernel = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return {
+        "nbformat": 4,
+        "nbformat_minor": 5,
+        "metadata": {"kernelspec": kernel},
+        "cells": [
+            {
+                "cell_type": "code",
+                "execution_count": None,
+                "id": f"c{i}",
+                "metadata": {},
+                "outputs": [],
+                "source": source,
+            }
+            for i, source in enumerate(cells)
+        ],
+    }
+
+
+NOTEBOOKS = {
+    "clean": notebook(
+        "print('hello')",
+        "import matplotlib.pyplot as plt\nfig, ax = plt.subplots(figsize=(4, 3))\n"
+        "ax.plot([1, 2, 3])\nax.set_title('readable')\nplt.show()",
+    ),
+    "red_bar": notebook(
+        "from tqdm.notebook import tqdm\nfor i in tqdm(range(10)):\n    if i == 3:\n        break"
+    ),
+    "error": notebook("print('before')", "raise ValueError('broken on purpose')", "print(1)"),
+    "gone_on_reopen": notebook(
+        "from tqdm.notebook import tqdm\nfor i in tqdm(range(5), leave=False):\n    pass"
+    ),
+    "small_text": notebook(
+        "import matplotlib.pyplot as plt\nfig, ax = plt.subplots(figsize=(30, 3))\n"
+        "ax.plot([1, 2, 3])\nplt.show()"
+    ),
+    "silent": notebook("import time\nprint('start', flush=True)\ntime.sleep(7)"),
+}
+
+
+@pytest.fixture(scope="module")
+def summary(tmp_path_factory) -> dict:
+    """Run browser_check once over every scratch notebook; its summary.json, by notebook."""
+    python = playwright_python()
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set CHROMIUM)")
+    if python is None:
+        pytest.skip("no Python with Playwright (PLAYWRIGHT_PYTHON or .venv-playwright)")
+    folder = tmp_path_factory.mktemp("browser_check")
+    paths = []
+    for name, content in NOTEBOOKS.items():
+        paths.append(folder / f"{name}.ipynb")
+        paths[-1].write_text(json.dumps(content))
+    shots = folder / "shots"
+    command = [python, str(ROOT / "tools" / "browser_check.py"), "--no-calculator",
+               "--lab-python", sys.executable, "--chromium", CHROMIUM, "--silence", "4",
+               "--shots", str(shots), *map(str, paths)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((shots / "summary.json").read_text())
+    return {Path(n["notebook"]).stem: n for n in record["notebooks"]}
+
+
+def kinds(entry: dict) -> set[tuple[int | None, str]]:
+    """A notebook's failures as (cell, kind)."""
+    return {(f["cell"], f["kind"]) for f in entry["failures"]}
+
+
+def test_a_clean_notebook_passes(summary):
+    """Output, a figure with readable text: no failure, and screenshots were saved."""
+    assert summary["clean"]["failures"] == []
+    assert summary["clean"]["cells"] == 2
+    assert all(Path(s).exists() for s in summary["clean"]["shots"]) and summary["clean"]["shots"]
+
+
+def test_a_bar_stopped_early_is_caught_red(summary):
+    """Breaking out of a tqdm.notebook loop leaves the bar red: failed in cell 1."""
+    assert (1, "red bar after the run") in kinds(summary["red_bar"])
+
+
+def test_an_error_output_is_caught_in_its_cell(summary):
+    """The traceback of cell 2 fails it, with the exception's name and message."""
+    errors = [f for f in summary["error"]["failures"] if f["kind"] == "error"]
+    assert [(f["cell"], f["message"]) for f in errors] == [(2, "ValueError: broken on purpose")]
+    assert Path(errors[0]["shot"]).exists()
+
+
+def test_a_widget_gone_on_reopen_is_caught(summary):
+    """A bar with leave=False closes its widget: after save and reopen, no model to show."""
+    assert (1, "widget after reopening") in kinds(summary["gone_on_reopen"])
+
+
+def test_figure_text_shrunk_below_8_px_is_caught(summary):
+    """A 30-inch-wide figure is scaled to the notebook's width: its tick labels go under 8 px."""
+    assert (1, "small figure text") in kinds(summary["small_text"])
+    assert (1, "small figure text") not in kinds(summary["clean"])
+
+
+def test_a_silent_cell_is_caught(summary):
+    """Seven seconds without output with --silence 4 fail the cell."""
+    assert kinds(summary["silent"]) == {(1, "silent")}
