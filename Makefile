@@ -297,4 +297,4 @@ clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(COMPAT_VENV) .whl
+	rm -rf $(VENV) $(COMPAT_VENV) .venv-playwright .whl

@@ -28,7 +28,8 @@ micro-batch, picks another GPU, a model too large, clicks Suggest, types a seque
 Screenshots (after the run, after reopening, at each failing cell) and ``summary.json`` and
 ``summary.md`` go to ``--shots``. Exit status 0 when every check held, 1 when one failed, 2
 when Playwright or Chromium is missing. ``--url`` uses a running JupyterLab instead (its
-settings and PYTHONPATH are then its own). ``--python``, or PLAYWRIGHT_PYTHON, names the
+settings and PYTHONPATH are then its own; the copies go to a folder browser-check-<pid> in its
+root, left there). ``--python``, or PLAYWRIGHT_PYTHON, names the
 Python with Playwright when this one has none (the script runs itself again under it).
 """
 
@@ -287,7 +288,8 @@ class Outcome:
 
     notebook: str
     cells: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # Run All until idle
+    checked_in: float = 0.0  # all of it: opening, running, checks, screenshots, reopening
     shots: list[str] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
 
@@ -465,7 +467,7 @@ class Shots:
 
 def check_notebook(page, url: str, path: str, args: argparse.Namespace, steps=()) -> Outcome:
     """Run ``path`` in the page, check it, run ``steps`` on the live page, save, reopen, check."""
-    outcome = Outcome(path)
+    outcome, begun = Outcome(path), time.monotonic()
     shots = Shots(page, Path(args.shots), Path(path).stem, outcome)
     print(f"{path}: running", flush=True)
     open_notebook(page, url, path)
@@ -490,6 +492,9 @@ def check_notebook(page, url: str, path: str, args: argparse.Namespace, steps=()
     shots.pages("reopened", most=2)
     page.goto("about:blank")
     shut_kernel(url, path)
+    outcome.checked_in = round(time.monotonic() - begun, 1)
+    print(f"{path}: {len(outcome.failures)} failure(s), run {outcome.seconds:.0f} s, "
+          f"checked in {outcome.checked_in:.0f} s", flush=True)  # fmt: skip
     return outcome
 
 
@@ -631,7 +636,7 @@ def browse(url: str, args: argparse.Namespace, paths: list[str]) -> list[Outcome
         browser = pw.chromium.launch(executable_path=args.chromium, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport=VIEWPORT)
         for path in paths:
-            steps = (calculator_steps,) if path == CALCULATOR else ()
+            steps = (calculator_steps,) if Path(path).name == CALCULATOR else ()
             try:
                 outcomes.append(check_notebook(page, url, path, args, steps))
             except Exception as err:  # the check itself could not finish: a failure, with a shot
@@ -648,14 +653,15 @@ def browse(url: str, args: argparse.Namespace, paths: list[str]) -> list[Outcome
 
 def summarize(outcomes: list[Outcome], shots: Path, seconds: float) -> str:
     """The summary table (Markdown); also written to summary.md and summary.json in ``shots``."""
-    lines = ["| notebook | cells | seconds | failures |", "|---|---:|---:|---|"]
+    lines = ["| notebook | cells | run s | total s | failures |", "|---|---:|---:|---:|---|"]
     for o in outcomes:
         found = "; ".join(
             f"{'cell ' + str(f.cell) if f.cell else 'notebook'} {f.kind}: {f.message}"
             for f in o.failures
         )
         lines.append(
-            f"| {Path(o.notebook).name} | {o.cells} | {o.seconds:.0f} | {found or 'none'} |"
+            f"| {Path(o.notebook).name} | {o.cells} | {o.seconds:.0f} | {o.checked_in:.0f} "
+            f"| {found or 'none'} |"
         )
     failed = sum(bool(o.failures) for o in outcomes)
     lines += ["", f"{len(outcomes) - failed} of {len(outcomes)} notebooks passed "
@@ -674,20 +680,22 @@ def main(argv: list[str] | None = None) -> int:
     rerun_under(args.python, args.chromium)
     start = time.monotonic()
     shots = Path(args.shots)
-    shutil.rmtree(shots, ignore_errors=True)
-    shots.mkdir(parents=True)
+    shots.mkdir(parents=True, exist_ok=True)
+    for old in [*shots.glob("*.png"), *shots.glob("summary.*")]:  # an earlier run's, only
+        old.unlink()
     server, folder, url = None, None, args.url
     if not url:
         folder = Path(tempfile.mkdtemp(prefix="browser_check_"))
         server, url = start_lab(args.lab_python, folder)
     try:
-        paths = []
+        # Under --url, a folder of its own: the server may be serving the checkout itself.
+        paths, into = [], "notebooks" if server else f"browser-check-{os.getpid()}"
         for notebook in args.notebooks:
-            paths.append(f"notebooks/{Path(notebook).name}")
+            paths.append(f"{into}/{Path(notebook).name}")
             upload(url, paths[-1], json.loads(Path(notebook).read_text()))
         if args.calculator:
-            upload(url, CALCULATOR, calculator_notebook())
-            paths.append(CALCULATOR)
+            paths.append(f"{into}/{CALCULATOR}")
+            upload(url, paths[-1], calculator_notebook())
         outcomes = browse(url, args, paths)
     finally:
         if server is not None:
