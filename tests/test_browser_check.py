@@ -133,3 +133,50 @@ def test_figure_text_shrunk_below_8_px_is_caught(summary):
 def test_a_silent_cell_is_caught(summary):
     """Seven seconds without output with --silence 4 fail the cell."""
     assert kinds(summary["silent"]) == {(1, "silent")}
+
+
+# ---------------------------------------------------------------------------------------------
+# The parts that need no browser (these run on CI too)
+
+
+def load_tool(name: str):
+    """A module of tools/ by file name (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_text_meter_below_100_percent_is_found_in_its_last_state():
+    """tqdm's text meter: below 100 % found, 100 % or a meter redrawn to 100 % with \\r not."""
+    meter_left = load_tool("browser_check").meter_left
+    unfinished = "x:  40%|████      | 8/20 [00:01<00:02]"
+    assert meter_left(f"before\n{unfinished}\n") == unfinished
+    assert meter_left("x: 100%|██████████| 20/20 [00:03<00:00]") == ""
+    assert meter_left("x:  40%|████      | 8/20\rx: 100%|██████████| 20/20") == ""
+    assert meter_left("done: 20 runs in 3 s\nsaved 40% of the memory") == ""
+
+
+def test_a_figure_png_carries_its_smallest_text_in_pixels():
+    """The wrapped PNG function returns the same image, with the smallest text's size at its dpi."""
+    from functools import partial
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from IPython.core.pylabtools import print_figure, retina_figure
+
+    figure_text = load_tool("browser_check_figure_text")
+    fig, ax = plt.subplots(figsize=(3, 2), dpi=100)
+    ax.set_title("title", fontsize=12)
+    ax.set_xlabel("tiny", fontsize=6)
+    plain = partial(print_figure, fmt="png", bbox_inches="tight")
+    data, metadata = figure_text.measured(plain)(fig)
+    assert data == plain(fig)
+    assert metadata == {"course_min_text_px": round(6 * 100 / 72, 2), "course_min_text": "tiny"}
+    data, metadata = figure_text.measured(retina_figure)(fig)  # twice the pixels, same width
+    assert metadata["course_min_text_px"] == round(2 * 6 * 100 / 72, 2)
+    assert metadata["width"] == retina_figure(fig)[1]["width"]
+    plt.close(fig)

@@ -357,7 +357,7 @@ def watch(page, outcome: Outcome, start: float, args: argparse.Namespace) -> Non
 
 def meter_left(text: str) -> str:
     """The last state of a text meter in ``text`` below 100 % ("" when none is)."""
-    for line in text.splitlines():
+    for line in text.split("\n"):  # not splitlines(): it splits at "\r" too
         last = line.split("\r")[-1]
         found = METER.search(last)
         if found and int(found.group(1)) < 100:
