@@ -2,9 +2,10 @@
 
 Tiny scratch notebooks, one JupyterLab for all of them: a progress bar stopped early (red), an
 error, a bar whose widget is gone when the notebook is reopened, figure text too small, a
-silent cell, and a clean notebook that passes. It needs Chromium and a Python with Playwright
+silent cell, a bar short of its end, stderr and a text meter left at 40 %, and a clean notebook
+that passes. It needs Chromium and a Python with Playwright
 (PLAYWRIGHT_PYTHON, or .venv-playwright in the checkout); without them it is skipped, saying
-which is missing (CI has neither). About a minute on two cores.
+which is missing (CI has neither). About a minute and a half on two cores.
 """
 
 from __future__ import annotations
@@ -69,6 +70,16 @@ NOTEBOOKS = {
         "ax.plot([1, 2, 3])\nplt.show()"
     ),
     "silent": notebook("import time\nprint('start', flush=True)\ntime.sleep(7)"),
+    "stopped_bar": notebook(
+        "from tqdm.notebook import tqdm\nbar = tqdm(total=10)\nbar.update(3)\nbar.refresh()"
+    ),  # never closed: not red, short of its end (refresh: update alone may not redraw)
+    "text_meter": notebook(
+        "import sys\nprint('careful', file=sys.stderr)",
+        "from IPython.display import display\n"
+        "meter = {'text/plain': 'x:  10%|█         | 2/20'}\n"
+        "handle = display(meter, raw=True, display_id=True)\n"
+        "handle.update({'text/plain': 'x:  40%|████      | 8/20 [00:01<00:02]'}, raw=True)",
+    ),
 }
 
 
@@ -128,6 +139,24 @@ def test_figure_text_shrunk_below_8_px_is_caught(summary):
     """A 30-inch-wide figure is scaled to the notebook's width: its tick labels go under 8 px."""
     assert (1, "small figure text") in kinds(summary["small_text"])
     assert (1, "small figure text") not in kinds(summary["clean"])
+
+
+def test_a_bar_short_of_its_end_is_caught(summary):
+    """A widget bar left at 3 of 10, never closed (so not red), fails as stopped at 30 %."""
+    failures = summary["stopped_bar"]["failures"]
+    assert [(f["cell"], f["kind"], f["message"]) for f in failures[:1]] == [
+        (1, "bar after the run", "a progress bar stopped at 30%")
+    ]
+
+
+def test_stderr_and_an_unfinished_text_meter_are_caught(summary):
+    """A line on stderr fails its cell; a text meter updated through its display handle and
+    left at 40 % fails the other, with the meter's last text."""
+    failures = {(f["cell"], f["kind"]): f["message"] for f in summary["text_meter"]["failures"]}
+    assert failures == {
+        (1, "stderr"): "careful",
+        (2, "unfinished meter"): "x:  40%|████      | 8/20 [00:01<00:02]",
+    }
 
 
 def test_a_silent_cell_is_caught(summary):
