@@ -4,6 +4,9 @@
 #   make course    execute every notebook in order, keep the executed copies, print the summary
 #                  table and, last, the capstone's ablation next to the guide's V100 run
 #   make lab       start JupyterLab on the notebooks
+#   make browser-check  every notebook run in JupyterLab in headless Chromium, checked as a
+#                  reader sees it (errors, bars, widgets after reopening, figure text), then
+#                  the calculator; screenshots and summary in build/browser-check/
 #   make preflight try every hardware feature the lessons use on this machine (hosts: run it first)
 #   make load-test the timing lessons three times under nbval with a bursty CPU load running
 #   make load-course  make course with the same bursty load running
@@ -28,8 +31,10 @@
 #
 # Variables: PYTHON (interpreter to use, see above), COURSE_SCALE (tiny|full|auto; passed to
 # the notebooks only when set), BOOTSTRAP_PYTHON (interpreter that creates .venv; python3),
-# VENV (.venv), GPU_CHECK_DEADLINE (minutes, 9), GPU_CHECK_OUT (report folder), COMPAT_PYTHON
-# (a Python 3.12 for make compat; found on PATH or under pyenv).
+# VENV (.venv), PLAYWRIGHT_PYTHON (a Python with Playwright for make browser-check;
+# .venv-playwright), CHROMIUM (/usr/bin/chromium), GPU_CHECK_DEADLINE (minutes, 9),
+# GPU_CHECK_OUT (report folder), COMPAT_PYTHON (a Python 3.12 for make compat; found on PATH or
+# under pyenv).
 
 SHELL := bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -87,10 +92,10 @@ EXECUTED_DIR := build/executed
 NBVAL_ARGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider
 
 .PHONY: help install check-env test lint test-unit preflight test-notebooks load-test course \
-  load-course lab format clean distclean gpu-check gpu-wheels gpu-rehearsal compat
+  load-course lab browser-check format clean distclean gpu-check gpu-wheels gpu-rehearsal compat
 
 help:
-	@sed -n '3,14p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '3,17p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 	@echo
 	@echo "Interpreter: $(PYTHON)$(if $(filter check-env,$(ENV_READY)), (yours; nothing is installed), (.venv, created on first use))"
 
@@ -205,6 +210,18 @@ lab: $(ENV_READY)
 	@mkdir -p build
 	$(PYTHON) -m jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS) notebooks/
 
+# Every notebook (or NOTEBOOKS=...) run in a JupyterLab with the course's settings, in headless
+# Chromium, then the memory calculator driven (tools/browser_check.py). Playwright and the
+# browser stay out of the course's environment:
+#   python3 -m venv .venv-playwright && .venv-playwright/bin/pip install playwright
+#   apt-get install -y chromium
+PLAYWRIGHT_PYTHON ?= $(CURDIR)/.venv-playwright/bin/python
+CHROMIUM ?= /usr/bin/chromium
+
+browser-check: $(ENV_READY)
+	@$(BOOTSTRAP_PYTHON) tools/browser_check.py --python $(PLAYWRIGHT_PYTHON) \
+	  --chromium $(CHROMIUM) --lab-python $(PYTHON) $(NOTEBOOKS)
+
 # ---------------------------------------------------------------------------------------------
 # A GPU host, and the oldest supported versions
 #
@@ -287,4 +304,4 @@ clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(COMPAT_VENV) .whl
+	rm -rf $(VENV) $(COMPAT_VENV) .venv-playwright .whl
