@@ -859,7 +859,7 @@ def saver_table(results: dict[str, SaverResult]) -> pd.DataFrame:
         row["predicted / measured peak"] = p.peak / r.timeline.peak
         row["where the peak is"] = r.timeline.phase[r.timeline.peak_index]
         rows[label] = row
-    return pd.DataFrame(rows).T
+    return pd.DataFrame.from_dict(rows, orient="index")  # a row per setting, columns keep types
 
 
 def largest_gradient_bytes(model, device: str = "cpu") -> int:
