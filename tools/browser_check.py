@@ -24,7 +24,8 @@ notebook on:
   (the kernel notes each figure's smallest text: tools/browser_check_figure_text.py).
 
 Then it drives the memory calculator (``helpers.calculator()``) in a scratch notebook: types a
-micro-batch, picks another GPU, a model too large, clicks Suggest, types a sequence too long.
+micro-batch, picks another GPU, a model too large, clicks Suggest and Apply, picks a precision
+the card lacks, types a sequence too long.
 Screenshots (after the run, after reopening, at each failing cell) and ``summary.json`` and
 ``summary.md`` go to ``--shots``. Exit status 0 when every check held, 1 when one failed, 2
 when Playwright or Chromium is missing. ``--url`` uses a running JupyterLab instead (its
@@ -600,6 +601,30 @@ def suggest(check: Calculator) -> None:
     check.shot("04_suggestion")
 
 
+def apply_suggestion(check: Calculator) -> None:
+    """Click Apply: the controls take the suggested setup and the verdict says it fits."""
+    page = check.page
+    button = page.get_by_role("button", name=re.compile("Apply this setup"))
+    label = page.locator(".widget-html-content code").first.inner_text()  # "mb4 x ga16, ..."
+    now = check.change(button.click, "Apply")
+    micro = check.control("micro-batch", "input").input_value()
+    ok = now.startswith("fits") and label.startswith(f"mb{micro} x")
+    check.report(ok, f"Apply set the suggestion ({label}), micro-batch now {micro}: {now!r}")
+    check.shot("05_applied")
+
+
+def precision_the_card_lacks(check: Calculator) -> None:
+    """Pick the T4 and tf32: the verdict's first word does not say "fits" beside its warning."""
+    select = check.control("GPU", "select")
+    t4 = next(o for o in select.locator("option").all_inner_texts() if o.startswith("T4"))
+    check.change(lambda: select.select_option(label=t4), f"GPU {t4}")
+    precision = check.control("precision", "select")
+    now = check.change(lambda: precision.select_option(label="tf32"), "precision tf32")
+    ok = not now.startswith("fits") and "cannot train in tf32" in now
+    check.report(ok, f"tf32 on the T4 is not called 'fits': {now!r}")
+    check.shot("06_tf32_on_t4")
+
+
 def refused_setting(check: Calculator) -> None:
     """Type a sequence longer than bert-large's positions: one red line, no traceback."""
     box = check.control("sequence length", "input")
@@ -607,12 +632,14 @@ def refused_setting(check: Calculator) -> None:
     output = check.page.locator(".jp-OutputArea-output").first.inner_text()
     ok = "exceeds max_position_embeddings" in now and "Traceback" not in output
     check.report(ok, f"a refused setting is one line, no traceback: {now!r}")
-    check.shot("05_refused_setting")
+    check.shot("07_refused_setting")
 
 
 def calculator_steps(check: Calculator) -> None:
     """Every calculator step in order; one that cannot finish is a failure with its picture."""
-    for step in (rendered, change_batch_and_gpu, pick_large_model, suggest, refused_setting):
+    steps = (rendered, change_batch_and_gpu, pick_large_model, suggest, apply_suggestion,
+             precision_the_card_lacks, refused_setting)  # fmt: skip
+    for step in steps:
         try:
             step(check)
         except Exception as err:  # a step that could not finish: say which, keep the picture
