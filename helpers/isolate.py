@@ -10,10 +10,13 @@ laptop) every time. Where forkserver does not exist (Windows) we fall back to sp
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from helpers.progress import waiting
 
 # Imported once by the forkserver, so every child starts with them (about 0.6 s saved per
 # child for the two modeling modules). None of them touches CUDA when imported.
@@ -125,6 +128,20 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def _poll(conn, timeout: float | None, what: str) -> bool:
+    """``conn.poll(timeout)``, counting the seconds in a notebook meanwhile (a child shows no
+    bar of its own, so a long experiment would leave its cell silent)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with waiting(what) as tick:
+        while True:
+            left = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            if conn.poll(left):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            tick()
+
+
 def call_isolated(
     fn: Callable, *args, timeout: float | None = None, daemon: bool = True, **kwargs
 ) -> Outcome:
@@ -142,7 +159,7 @@ def call_isolated(
     proc.start()
     child.close()
     try:
-        if parent.poll(timeout):
+        if _poll(parent, timeout, "an experiment in a fresh process"):
             outcome = parent.recv()
         else:
             proc.kill()
@@ -247,6 +264,7 @@ class Workers:
                                daemon=daemon)  # fmt: skip
             proc.start()
             child.close()
+            _poll(parent, None, f"building and warming up {name} in a process of its own")
             kind, detail = self._receive(parent, proc)
             if kind == "ready":
                 self.conns[name], self.procs[name] = parent, proc

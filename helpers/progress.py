@@ -20,6 +20,7 @@ the notebook). ``COURSE_PROGRESS=1`` turns them on even under CI.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterable
@@ -71,12 +72,7 @@ class NotebookBar(std_tqdm):
         self._handle = None
         self._cell = _cell()
         super().__init__(*args, **kwargs)  # gui=True: tqdm calls display() instead of writing
-        if not self.disable:
-            free = NotebookBar._free
-            if self._cell not in free:  # a new cell: the handles of earlier ones are done
-                free.clear()
-            if free.get(self._cell):
-                self._handle = free[self._cell].pop()
+        if not self.disable and self.delay <= 0:
             self.display()
 
     def display(self, msg=None, pos=None):
@@ -85,6 +81,12 @@ class NotebookBar(std_tqdm):
 
         text = self.format_meter(**self.format_dict) if msg is None else msg
         bundle = {"text/plain": text}
+        if self._handle is None:
+            free = NotebookBar._free
+            if self._cell not in free:  # a new cell: the handles of earlier ones are done
+                free.clear()
+            if free.get(self._cell):
+                self._handle = free[self._cell].pop()
         if self._handle is None:
             self._handle = display(bundle, raw=True, display_id=True)
         else:
@@ -109,6 +111,29 @@ def progress(items: Iterable, desc: str, total: int | None = None, unit: str = "
     """``items`` with a progress bar labelled ``desc`` (no bar when ``enabled()`` is False)."""
     bar = NotebookBar if in_notebook() else std_tqdm
     return bar(items, desc=desc, total=total, unit=unit, disable=not enabled(), leave=False)
+
+
+@contextlib.contextmanager
+def waiting(desc: str, delay: float = 2.0):
+    """A meter of the time spent waiting on work that shows no bar of its own (an experiment
+    in a fresh process): call the ``tick`` it yields while waiting. In a notebook a long wait
+    then reads ``desc: 00:12``, counting, instead of a silent cell; a wait shorter than
+    ``delay`` seconds shows nothing, and the output is emptied at the end as a bar's is.
+    Elsewhere (a terminal, bars off) ``tick`` does nothing."""
+    if not (enabled() and in_notebook()):
+        yield lambda: None
+        return
+    bar = NotebookBar(total=None, desc=desc, bar_format="{desc}: {elapsed}", delay=delay,
+                      leave=False)  # fmt: skip
+
+    def tick() -> None:
+        if bar._time() - bar.start_t >= delay:
+            bar.refresh()
+
+    try:
+        yield tick
+    finally:
+        bar.close()
 
 
 def quiet_here() -> None:

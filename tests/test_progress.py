@@ -95,3 +95,22 @@ def test_bars_one_after_another_in_a_cell_share_one_output(monkeypatch):
     nbclient.NotebookClient(nb, timeout=60, kernel_name="python3").execute()
     for cell in nb.cells:
         assert [o.get("data") for o in cell.outputs] == [{"text/plain": ""}], cell.outputs
+
+
+def test_a_long_wait_on_a_fresh_process_counts_seconds_then_empties(monkeypatch):
+    """An experiment in a child shows no bar of its own: its cell counts the seconds (after
+    2 s), so it is never silent, and a short one shows nothing at all."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    monkeypatch.setenv(PROGRESS_VARIABLE, "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("import time\nfrom helpers.isolate import call_isolated"),
+        nbformat.v4.new_code_cell("assert call_isolated(time.sleep, 3.5).error is None"),
+        nbformat.v4.new_code_cell("assert call_isolated(time.sleep, 0.1).error is None"),
+    ]
+    nbclient.NotebookClient(nb, timeout=60, kernel_name="python3").execute()
+    long_wait, short_wait = nb.cells[1].outputs, nb.cells[2].outputs
+    assert [o.get("data") for o in long_wait] == [{"text/plain": ""}], long_wait
+    assert short_wait == [], short_wait
