@@ -10,6 +10,9 @@
   says "Failed to load ..." for each of its CUDA kernel libraries that a CPU build of torch
   cannot load; and it registers enums with torch's pytree, which logs a deprecation line per
   enum. Neither changes what the course runs: fp8 needs a CUDA GPU of compute capability 8.9+.
+- transformers' ``TrainingArguments(torch_compile=True)`` without an Ampere GPU warns that
+  the speedups mostly come with one; lesson 12 measures what compiling does on the machine at
+  hand instead, and says why a CPU gains less.
 
 Other warnings and errors of both libraries still show. ``quiet_libraries()`` is the context
 manager the lessons use; experiments in isolated processes run inside it (helpers.isolate),
@@ -26,6 +29,7 @@ BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"  # logs the Hub-kernel warning
 DEEPSPEED_LOGGER = "DeepSpeed"  # deepspeed.utils.logging's logger
 TORCHAO_LOGGER = "torchao"  # logs each kernel library it cannot load
 PYTREE_LOGGER = "torch.utils._pytree"  # logs register_constant() of an Enum as deprecated
+TRAINING_ARGS_LOGGER = "transformers.training_args"  # logs the torch_compile-without-Ampere line
 
 
 def _cpu_accelerator_notice(record: logging.LogRecord) -> bool:
@@ -43,10 +47,16 @@ def _pytree_enum_notice(record: logging.LogRecord) -> bool:
     return "is an Enum subclass and is now natively supported" not in record.getMessage()
 
 
+def _compile_speedup_notice(record: logging.LogRecord) -> bool:
+    """False for TrainingArguments' "The speedups for torchdynamo mostly come with GPU Ampere"."""
+    return not record.getMessage().startswith("The speedups for torchdynamo")
+
+
 _FILTERS = (
     (DEEPSPEED_LOGGER, _cpu_accelerator_notice),  # survives DeepSpeed setting up its logger
     (TORCHAO_LOGGER, _torchao_kernel_notice),
     (PYTREE_LOGGER, _pytree_enum_notice),
+    (TRAINING_ARGS_LOGGER, _compile_speedup_notice),
 )
 
 
