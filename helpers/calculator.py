@@ -61,7 +61,7 @@ class CalculatorSetting:
     lora_r: int = 0  # 0: full fine-tuning
     qlora: bool = False  # LoRA on 4-bit frozen weights
     attn: str = "eager"
-    card: str = "t4"  # a key of helpers.fullscale.REFERENCE_CARDS
+    card: str = "t4"  # a key of helpers.hardware.REFERENCE_CARDS
     lora_targets: str = ""  # as RunConfig.lora_targets ("": peft's default modules)
 
     @property
@@ -102,8 +102,8 @@ def bundled_models() -> list[str]:
 
 
 def reference_cards() -> dict[str, GpuInfo]:
-    """The cards the calculator offers: ``helpers.fullscale.REFERENCE_CARDS``."""
-    from helpers.fullscale import REFERENCE_CARDS
+    """The cards the calculator offers: ``helpers.hardware.REFERENCE_CARDS``."""
+    from helpers.hardware import REFERENCE_CARDS
 
     return REFERENCE_CARDS
 
@@ -636,7 +636,7 @@ def calculator(
     ``interactive``: None picks widgets when ipywidgets imports and an IPython kernel runs;
     False always gives the ``StaticCalculator``; True asks for widgets (without ipywidgets:
     the static table, saying how to install them). ``card``: a key of
-    ``helpers.fullscale.REFERENCE_CARDS`` ("t4", "l4", "a100-80", ...).
+    ``helpers.hardware.REFERENCE_CARDS`` ("t4", "l4", "a100-80", ...).
     """
     setting = CalculatorSetting(model, batch_size, seq_len, precision, optimizer,
                                 gradient_checkpointing, grad_accum, lora_r, qlora, attn, card,

@@ -29,22 +29,11 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 
 from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, GpuInfo
+from helpers.hardware import REFERENCE_CARDS
 from helpers.names import ATTENTION, GiB, MiB
 from helpers.scale import FULL, TINY, Scale
 
 BUDGET_STEP = 512 * MiB  # a fitted budget is a whole number of half-GiBs
-# Cards the course is checked against, as torch reports them (memory is what the driver leaves
-# to processes, a little under the nominal size). tests/fake_gpu.py fakes these cards.
-REFERENCE_CARDS = {
-    "t4": GpuInfo("Tesla T4", 15_828_320_256, (7, 5), 40, ""),
-    "v100": GpuInfo("Tesla V100-SXM2-16GB", 16_935_419_904, (7, 0), 80, ""),
-    "a10g": GpuInfo("NVIDIA A10G", 23_609_475_072, (8, 6), 80, ""),
-    "l4": GpuInfo("NVIDIA L4", 23_580_639_232, (8, 9), 58, ""),
-    "a100-40": GpuInfo("NVIDIA A100-SXM4-40GB", 42_505_273_344, (8, 0), 108, ""),
-    "a100-80": GpuInfo("NVIDIA A100-SXM4-80GB", 85_089_058_816, (8, 0), 108, ""),
-    "h100": GpuInfo("NVIDIA H100 80GB HBM3", 85_045_870_592, (9, 0), 132, ""),
-    "a100-mig": GpuInfo("NVIDIA A100-SXM4-80GB MIG 1g.10gb", 10_468_982_784, (8, 0), 14, ""),
-}
 LONG_SEQS = (2048, 1024, 512)  # lesson 10's whole-model sequence lengths, longest first
 LESSONS = tuple(f"{i:02d}" for i in range(18))
 

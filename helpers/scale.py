@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 
 import torch
 
@@ -25,7 +23,7 @@ class Scale:
     """Sizes a lesson uses; every lesson reads them from here instead of typing numbers."""
 
     name: str
-    encoder: str  # bundled config name (see ``config_path``)
+    encoder: str  # bundled config name (see ``helpers.models.config_path``)
     decoder: str
     batch_size: int
     seq_len: int
@@ -91,13 +89,3 @@ def get_scale(name: str | None = None, device: torch.device | None = None) -> Sc
     from helpers.fullscale import fit_scale
 
     return fit_scale(gpu_info(device), forced=asked == "full")
-
-
-def config_path(name: str) -> Path:
-    """Path of a bundled transformers config JSON (``bert-tiny``, ``llama-7b``, ...)."""
-    folder = resources.files("helpers") / "configs"
-    path = folder / f"{name}.json"
-    if not path.is_file():
-        known = sorted(p.name.removesuffix(".json") for p in folder.iterdir())
-        raise FileNotFoundError(f"no bundled config {name!r}; bundled: {', '.join(known)}")
-    return Path(str(path))

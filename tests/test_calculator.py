@@ -27,7 +27,7 @@ from helpers.calculator import (
 )
 from helpers.compat import importable
 from helpers.estimator import estimate
-from helpers.scale import config_path
+from helpers.models import config_path
 from tests.plot_checks import figure_problems
 
 # The live calculator is ipywidgets; without it calculator() falls back to the static table

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers.cli import main
-from helpers.scale import config_path
+from helpers.models import config_path
 
 ROOT = Path(__file__).resolve().parents[1]
 

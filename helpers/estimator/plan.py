@@ -614,13 +614,13 @@ def plan_for_card(
 ) -> CardPlan:
     """The configuration predicted fastest among those estimated to fit ``card``, and why.
 
-    ``card``: a ``helpers.device.GpuInfo`` or a name of ``helpers.fullscale.REFERENCE_CARDS``
+    ``card``: a ``helpers.device.GpuInfo`` or a name of ``helpers.hardware.REFERENCE_CARDS``
     ("t4", "l4", ...). Nothing runs: the estimator's CUDA branch prices every candidate and
     ``predicted_cost`` ranks them (``plan`` measures and times instead, on a device that is
     here). ``method``: one of ``METHODS``; ``space`` narrows the search as in ``candidates``,
     and ``report`` follows it as there.
     """
-    from helpers.fullscale import REFERENCE_CARDS
+    from helpers.hardware import REFERENCE_CARDS
 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")

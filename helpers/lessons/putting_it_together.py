@@ -240,7 +240,7 @@ SHORT = {
 # Section 7: your model. Real configs on cards that are not here, estimates only.
 
 YOUR_MODELS = ("qwen3-0.6b", "llama-3.2-1b")  # bundled real configs: a traced and an analytical
-YOUR_CARDS = ("t4", "l4")  # 16 GB (no bf16) and 24 GB (helpers.fullscale.REFERENCE_CARDS)
+YOUR_CARDS = ("t4", "l4")  # 16 GB (no bf16) and 24 GB (helpers.hardware.REFERENCE_CARDS)
 YOUR_SEQ_LEN = 1024
 YOUR_BATCH = 2  # effective batch: micro-batches 1 or 2 (each a trace per setting: time)
 LORA_R = 16  # LoRA rank on every Linear of the layers ("all-linear"), as in the QLoRA paper
@@ -258,7 +258,7 @@ def your_model_space(card) -> dict:
 def your_model_plans(models=YOUR_MODELS, cards=YOUR_CARDS, methods=("full", "lora", "qlora")):
     """``plan_for_card`` for every model, card and method, keyed by those three."""
     from helpers.estimator.plan import plan_for_card
-    from helpers.fullscale import REFERENCE_CARDS
+    from helpers.hardware import REFERENCE_CARDS
 
     plans = {}
     for model in models:
