@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from helpers import device as dev
+from helpers.forkserver import context
 
 
 def synchronize(device: torch.device) -> None:
@@ -734,10 +735,8 @@ class CpuBurner:
     """
 
     def __init__(self, processes: int | None = None) -> None:
-        from helpers.isolate import _context  # the fork server: no imports to wait for
-
         self.processes = processes or max(1, (os.cpu_count() or 2) // 2)
-        self._ctx = _context()
+        self._ctx = context()  # the fork server: no imports to wait for
         self._stop = self._ctx.Event()
         self._running = self._ctx.Semaphore(0)
         self._procs: list = []

@@ -529,7 +529,7 @@ def test_flash_attention_2_needs_ampere_and_the_package(monkeypatch):
 
 
 def test_the_fork_server_preloads_no_cuda_asking_module_on_a_gpu(monkeypatch):
-    from helpers.isolate import _PRELOAD, preload_list
+    from helpers.forkserver import PRELOAD, preload_list
 
     FakeGpu(monkeypatch, [PROFILES["l4"]])
-    assert preload_list("bitsandbytes", "peft") == _PRELOAD  # children import them themselves
+    assert preload_list("bitsandbytes", "peft") == PRELOAD  # children import them themselves
