@@ -286,7 +286,8 @@ def _preflight(args) -> int:
 def _fit(args) -> int:
     """The full scale fitted to this machine's GPU, per lesson; or the reference cards' table."""
     from helpers.device import default_device, gpu_info, is_cuda
-    from helpers.fullscale import fit_markdown, fit_scale, fit_table
+    from helpers.fullscale import fit_markdown, fit_table
+    from helpers.scale import fit_scale
 
     device = default_device()
     if args.reference or not is_cuda(device):

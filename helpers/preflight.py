@@ -383,10 +383,10 @@ def run_preflight(
     which no check starts; those left are "skipped" with the reason (``make gpu-check``'s
     deadline). ``throughput=False`` leaves out the throughput and the minutes per lesson.
     """
-    from helpers.fullscale import fit_scale, lesson_experiments
+    from helpers.fullscale import lesson_experiments
     from helpers.hardware import hardware_report
     from helpers.isolate import call_isolated
-    from helpers.scale import FULL, get_scale
+    from helpers.scale import FULL, fit_scale, get_scale
 
     d = dev.resolve(device)
     report = hardware_report(d)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from helpers.device import GpuInfo
-from helpers.fullscale import LESSONS, fit_scale, fit_table, lesson_experiments, lesson_flops
+from helpers.fullscale import LESSONS, fit_table, lesson_experiments, lesson_flops
 from helpers.names import GiB
-from helpers.scale import FULL, TINY, get_scale
+from helpers.scale import FULL, TINY, fit_scale, get_scale
 from tests.fake_gpu import CARDS, PROFILES, FakeGpu
 
 
@@ -147,7 +147,7 @@ def test_lesson_05_times_a_shape_where_16_bit_can_be_faster(fitted):
     With 256 tokens per step (the lesson's first version) the fp32 step is launch-bound on an
     H100, so 16 bits could not be faster; at the fitted shape the ratio is well under 0.8.
     """
-    from helpers.fullscale import _info
+    from helpers.scale import model_info as _info
     from helpers.timing import peak_tflops
 
     launches = 10e-6 * _operator_launches(FULL.decoder)
