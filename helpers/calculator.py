@@ -135,7 +135,7 @@ class CalculatorResult:
 
     setting: CalculatorSetting
     card: GpuInfo
-    usable: int  # what the peak may use on the card (helpers.estimator.plan.usable_budget)
+    usable: int  # what the peak may use on the card (helpers.planner.usable_budget)
     estimate: object = None  # helpers.estimator.Estimate, None when ``error`` says why
     error: str = ""
 
@@ -147,7 +147,7 @@ class CalculatorResult:
     @property
     def supported(self) -> bool:
         """Whether the card trains in the setting's precision (bf16 and tf32 need Ampere)."""
-        from helpers.estimator.plan import card_precisions
+        from helpers.planner import card_precisions
 
         return self.setting.precision in card_precisions(self.card)
 
@@ -190,7 +190,7 @@ def evaluate(setting: CalculatorSetting) -> CalculatorResult:
     """``setting``'s estimate on its card; an error a learner can act on becomes ``error``."""
     import torch
 
-    from helpers.estimator.plan import usable_budget
+    from helpers.planner import usable_budget
 
     card = reference_cards()[setting.card]
     usable = usable_budget(card.total_memory, torch.device("cuda"))
@@ -221,9 +221,9 @@ def one_line(err: BaseException) -> str:
 def suggest(setting: CalculatorSetting, report=None):
     """The planner's answer (``plan_for_card``): the setting's model, effective batch, card.
 
-    ``report(done, total)`` follows the estimates, as in ``helpers.estimator.plan.candidates``.
+    ``report(done, total)`` follows the estimates, as in ``helpers.planner.candidates``.
     """
-    from helpers.estimator.plan import plan_for_card
+    from helpers.planner import plan_for_card
 
     lora = {"lora_r": setting.lora_r, "lora_targets": setting.lora_targets}
     with _quiet():

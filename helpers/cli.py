@@ -126,7 +126,7 @@ def _estimate(args) -> int:
 
 
 def _plan(args) -> int:
-    from helpers.estimator.plan import parse_bytes, plan
+    from helpers.planner import parse_bytes, plan
 
     try:
         budget = parse_bytes(args.budget)

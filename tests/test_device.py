@@ -443,7 +443,7 @@ def test_the_cuda_calls_a_lesson_teaches_are_still_in_it():
 
 
 def test_planner_leaves_room_for_the_context_and_the_allocator_on_cuda(monkeypatch):
-    from helpers.estimator.plan import candidates, usable_budget
+    from helpers.planner import candidates, usable_budget
 
     FakeGpu(monkeypatch, [PROFILES["a100-80"]])
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
@@ -460,7 +460,7 @@ def test_planner_leaves_room_for_the_context_and_the_allocator_on_cuda(monkeypat
 
 def test_planner_builds_and_measures_inside_the_cap(monkeypatch):
     from helpers import train
-    from helpers.estimator.plan import _run
+    from helpers.planner import _run
 
     gpu = FakeGpu(monkeypatch, [PROFILES["l4"]])
     seen = []

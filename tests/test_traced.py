@@ -14,10 +14,10 @@ import torch
 from helpers.compat import importable
 from helpers.estimator import estimate
 from helpers.estimator import traced as T
-from helpers.estimator.plan import card_precisions, plan_for_card
 from helpers.estimator.qlora import nf4_bytes
 from helpers.memory import CategoryTracker
 from helpers.models import load_config
+from helpers.planner import card_precisions, plan_for_card
 from helpers.train import RunConfig, Trainee
 
 CATEGORIES = ("params", "buffers", "gradients", "optimizer_state", "activations",

@@ -38,7 +38,7 @@ CPU semantics, and CUDA's differences on top
       composite keeps the CPU's policy.
     Left as on the CPU: the memory-efficient kernel pads its log-sum-exp to a multiple of 32
     positions (exact when the sequence length is one), and library workspaces (cuBLAS) that
-    no tensor shows are the reserve margin's job (``helpers.estimator.plan.usable_budget``).
+    no tensor shows are the reserve margin's job (``helpers.planner.usable_budget``).
 """
 
 from __future__ import annotations

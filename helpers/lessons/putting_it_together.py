@@ -151,14 +151,14 @@ def latest_records(records: list[Record], lesson: str = "14") -> dict[str, Recor
 def search_table(outcomes, examples: int = 2):
     """The planner's search grouped by what happened to each candidate (a DataFrame).
 
-    ``outcomes``: ``helpers.estimator.plan.search_outcomes(plan, candidates)``. One group per
-    outcome (``helpers.estimator.plan.OUTCOMES``), in the order the search reaches them, its
+    ``outcomes``: ``helpers.planner.search_outcomes(plan, candidates)``. One group per
+    outcome (``helpers.planner.OUTCOMES``), in the order the search reaches them, its
     size in the index; ``examples`` rows of each of the large groups (the cheapest predicted
     first), every row of the measured ones.
     """
     import pandas as pd
 
-    from helpers.estimator.plan import OUTCOMES
+    from helpers.planner import OUTCOMES
 
     rows = []
     for outcome in OUTCOMES:
@@ -249,7 +249,7 @@ LORA_R = 16  # LoRA rank on every Linear of the layers ("all-linear"), as in the
 def your_model_space(card) -> dict:
     """The search: the card's 16-bit precision, SDPA, with or without checkpointing, AdamW
     or 8-bit AdamW (optimizers are free; each other choice costs one trace)."""
-    from helpers.estimator.plan import card_precisions
+    from helpers.planner import card_precisions
 
     half = "bf16" if "bf16" in card_precisions(card) else "fp16"
     return {"precisions": (half,), "attentions": ("sdpa",), "optimizers": ("adamw", "adamw8bit")}
@@ -257,8 +257,8 @@ def your_model_space(card) -> dict:
 
 def your_model_plans(models=YOUR_MODELS, cards=YOUR_CARDS, methods=("full", "lora", "qlora")):
     """``plan_for_card`` for every model, card and method, keyed by those three."""
-    from helpers.estimator.plan import plan_for_card
     from helpers.hardware import REFERENCE_CARDS
+    from helpers.planner import plan_for_card
 
     plans = {}
     for model in models:
