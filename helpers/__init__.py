@@ -27,5 +27,5 @@ def __getattr__(name: str):
     if name == "calculator":
         import importlib
 
-        return importlib.import_module("helpers.calculator")
+        return importlib.import_module("helpers.course.calculator")
     raise AttributeError(f"module 'helpers' has no attribute {name!r}")

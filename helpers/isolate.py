@@ -329,7 +329,7 @@ def mode_for(cfgs, device=None) -> str:
     """ "workers" when the training runs ``cfgs`` fit in memory all at once, else "fresh".
 
     Their peaks come from the estimator; on CUDA each worker also holds a CUDA context and
-    the allocator's margin (helpers.fullscale's model), on a CPU half the RAM is the limit.
+    the allocator's margin (helpers.course.fullscale's model), on a CPU half the RAM is the limit.
     """
     import os
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.cli import main
+from helpers.course.cli import main
 from helpers.models import config_path
 
 ROOT = Path(__file__).resolve().parents[1]

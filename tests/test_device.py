@@ -413,7 +413,8 @@ def test_only_helpers_device_touches_cuda_accelerator_or_nvml():
     )
     code = {
         p: p.read_text()
-        for p in [*(ROOT / "helpers").glob("*.py"), *(ROOT / "scripts").glob("*.py")]
+        for folder in ("helpers", "helpers/course", "scripts")
+        for p in (ROOT / folder).glob("*.py")
     }
     for path in (ROOT / "notebooks").glob("*.ipynb"):
         cells = json.loads(path.read_text())["cells"]

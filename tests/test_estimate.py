@@ -223,7 +223,7 @@ def test_an_architecture_without_a_stage_model_is_traced():
 
 
 def test_cli_estimate_json_is_the_estimate(capsys):
-    from helpers.cli import main
+    from helpers.course.cli import main
 
     argv = "estimate --model bert-tiny --batch-size 2 --seq-len 32 --device cpu --json".split()
     assert main(argv) == 0

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from helpers.cli import main
+from helpers.course.cli import main
 from helpers.planner import candidates, parse_bytes, plan, shortlist
 
 MiB, GiB = 2**20, 2**30

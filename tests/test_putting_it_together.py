@@ -4,7 +4,8 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from helpers import cli, results
+from helpers import results
+from helpers.course import cli
 from helpers.lessons.putting_it_together import (
     SEED_RECIPES,
     ablation_table,

@@ -344,7 +344,7 @@ class PackingConfig:
 def packing_samples(scale) -> int:
     """Section 4's number of samples: twice the scale's batch at the tiny scale; the batch
     itself at the full scale, where the padded batch of 8 x 512 tokens of the decoder in fp32
-    (15 GiB) would not fit a 16 GB card (``helpers.fullscale`` checks the card)."""
+    (15 GiB) would not fit a 16 GB card (``helpers.course.fullscale`` checks the card)."""
     return 2 * scale.batch_size if scale.name == "tiny" else scale.batch_size
 
 

@@ -41,7 +41,7 @@ from helpers.names import GiB, MiB, human_bytes
 from helpers.recipes import recipe_names
 from helpers.train import RunConfig, measure
 
-ROOT = Path(__file__).resolve().parents[1]  # the checkout: notebooks/, tools/, reports/
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: notebooks/, tools/, reports/
 REPORTS = ROOT / "reports" / "gpu"  # committed reports: where a GPU run writes by default
 CATEGORIES = ("params", "gradients", "optimizer_state", "activations", "temporaries")
 # Full-scale lessons in order of value: the capstone, then the memory lessons whose numbers
@@ -165,7 +165,7 @@ def environment(device: str | None) -> dict:
 def _part_a(run: _Run):
     """The environment and the preflight; returns the PreflightResult (its minutes per lesson
     pace part c's full scale)."""
-    from helpers.preflight import format_result, run_preflight
+    from helpers.course.preflight import format_result, run_preflight
 
     cfg, result, clock = run.cfg, run.result, run.clock
     out = call_isolated(environment, cfg.device, timeout=120)

@@ -4,7 +4,7 @@ For a workshop host, before the workshop, on the room's hardware. Each feature i
 in a fresh process (a CUDA error or a crash in one cannot take the others down) and a table
 says whether it works, was skipped (and why) or fails (with its one-line error), next to the
 lessons that need it. It ends with a rough time per lesson at the full scale on this device:
-the training FLOPs of each lesson's experiments (``helpers.fullscale``) over the training
+the training FLOPs of each lesson's experiments (``helpers.course.fullscale``) over the training
 throughput measured here, plus a few seconds per experiment for starting its process.
 
 The checks are split in two: ``why_skip`` decides from the device's properties alone whether
@@ -383,7 +383,7 @@ def run_preflight(
     which no check starts; those left are "skipped" with the reason (``make gpu-check``'s
     deadline). ``throughput=False`` leaves out the throughput and the minutes per lesson.
     """
-    from helpers.fullscale import lesson_experiments
+    from helpers.course.fullscale import lesson_experiments
     from helpers.hardware import hardware_report
     from helpers.isolate import call_isolated
     from helpers.scale import FULL, fit_scale, get_scale

@@ -240,7 +240,7 @@ def _capstone(args) -> int:
 
 
 def _cheatsheet(args) -> int:
-    from helpers.cheatsheet import markdown, measured_on
+    from helpers.course.cheatsheet import markdown, measured_on
     from helpers.results import default_store, load
 
     path = args.results or default_store()
@@ -274,8 +274,8 @@ def _claims(args) -> int:
 
 def _preflight(args) -> int:
     """Each feature the lessons need, tried in a fresh process; the table; exit 1 if one fails."""
+    from helpers.course.preflight import format_result, run_preflight
     from helpers.isolate import start
-    from helpers.preflight import format_result, run_preflight
 
     start()
     result = run_preflight(args.device)
@@ -285,8 +285,8 @@ def _preflight(args) -> int:
 
 def _fit(args) -> int:
     """The full scale fitted to this machine's GPU, per lesson; or the reference cards' table."""
+    from helpers.course.fullscale import fit_markdown, fit_table
     from helpers.device import default_device, gpu_info, is_cuda
-    from helpers.fullscale import fit_markdown, fit_table
     from helpers.scale import fit_scale
 
     device = default_device()
@@ -325,10 +325,10 @@ def _doctor(args) -> int:
 
 
 def _gpu_check(args) -> int:
-    """Parts a-d of helpers.gpu_check within the deadline; 1 if something failed."""
+    """Parts a-d of helpers.course.gpu_check within the deadline; 1 if something failed."""
     from pathlib import Path
 
-    from helpers.gpu_check import GpuCheckConfig, reports_markdown, run_gpu_check
+    from helpers.course.gpu_check import GpuCheckConfig, reports_markdown, run_gpu_check
 
     if args.summary:
         print(reports_markdown(), end="")

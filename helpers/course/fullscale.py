@@ -27,7 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, GpuInfo
+from helpers.estimator import estimate_per_rank
 from helpers.hardware import REFERENCE_CARDS
+from helpers.lessons.deepspeed_zero import layer_counts, oversized_config
+from helpers.lessons.mixture_of_experts import pair_for
+from helpers.lessons.more_memory import big_vocab_config, packing_samples
+from helpers.lessons.putting_it_together import SEED_RECIPES
 from helpers.names import ATTENTION, GiB
 from helpers.scale import FULL, Scale, cuda_estimate, fit_scale, model_info
 
@@ -125,7 +130,7 @@ def lesson_experiments(scale: Scale, card: GpuInfo) -> list[Experiment]:
     out = []
     for lesson in LESSONS:
         x = _Lesson(scale, card, lesson)
-        globals()[f"_lesson_{lesson}"](x)
+        BUILDERS[lesson](x)
         out += x.out
     return out
 
@@ -253,8 +258,6 @@ def _lesson_07(x: _Lesson) -> None:
 
 
 def _lesson_08(x: _Lesson) -> None:
-    from helpers.lessons.deepspeed_zero import layer_counts, oversized_config
-
     s = x.scale
     big = oversized_config(s.decoder, s.budget)
     est = cuda_estimate(big, s.batch_size, s.seq_len)
@@ -273,8 +276,6 @@ def _lesson_08(x: _Lesson) -> None:
 
 
 def _lesson_09(x: _Lesson) -> None:
-    from helpers.lessons.mixture_of_experts import pair_for
-
     s = x.scale
     for name in pair_for(s.name):
         x.run(f"{name}", name, s.batch_size, s.seq_len)
@@ -320,8 +321,6 @@ def _lesson_13(x: _Lesson) -> None:
 
 
 def _lesson_14(x: _Lesson) -> None:
-    from helpers.lessons.putting_it_together import SEED_RECIPES
-
     s = x.scale
     b = s.batch_size
     for r in SEED_RECIPES:
@@ -353,8 +352,6 @@ def _lesson_15(x: _Lesson) -> None:
 
 
 def _lesson_16(x: _Lesson) -> None:
-    from helpers.lessons.more_memory import big_vocab_config, packing_samples
-
     s, d, b = x.scale, x.scale.decoder, x.scale.batch_size
     quarter = max(1, s.seq_len // 4)  # section 1: batch 1, a quarter of the length
     x.run("step after backward", d, 1, quarter, steps=5)  # tracked, and 3 for same_training
@@ -379,14 +376,35 @@ def _lesson_16(x: _Lesson) -> None:
 def _lesson_17(x: _Lesson) -> None:
     """A card's share: with a GPU per process, each holds one process's step (else the lesson
     runs the tiny scale on CPU processes and nothing here touches the card)."""
-    from helpers.estimator import estimate_per_rank
-
     s, d = x.scale, x.scale.decoder
     x.run("one process, the global batch", d, s.batch_size, s.seq_len)
     for strategy in ("ddp", "fsdp"):
         est = estimate_per_rank(d, 2, strategy, max(1, s.batch_size // 2), s.seq_len,
                                 device="cuda")  # fmt: skip
         x.tensors(f"{strategy} process (a GPU each)", est.peak)
+
+
+# Each lesson's experiments, by lesson number: one builder per notebook.
+BUILDERS = {
+    "00": _lesson_00,
+    "01": _lesson_01,
+    "02": _lesson_02,
+    "03": _lesson_03,
+    "04": _lesson_04,
+    "05": _lesson_05,
+    "06": _lesson_06,
+    "07": _lesson_07,
+    "08": _lesson_08,
+    "09": _lesson_09,
+    "10": _lesson_10,
+    "11": _lesson_11,
+    "12": _lesson_12,
+    "13": _lesson_13,
+    "14": _lesson_14,
+    "15": _lesson_15,
+    "16": _lesson_16,
+    "17": _lesson_17,
+}
 
 
 # --------------------------------------------------------------------------------------------
