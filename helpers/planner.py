@@ -18,6 +18,7 @@ prints them):
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import re
 from collections.abc import Callable
@@ -175,8 +176,6 @@ def available_precisions(device: torch.device) -> list[str]:
 
 def available_optimizers(names=DEFAULT_OPTIMIZERS) -> list[str]:
     """``names`` minus 8-bit AdamW when bitsandbytes is not installed."""
-    import importlib.util
-
     have_bnb = importlib.util.find_spec("bitsandbytes") is not None
     return [o for o in names if o != "adamw8bit" or have_bnb]
 

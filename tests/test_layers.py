@@ -1,0 +1,180 @@
+"""The floors of ``helpers``: each module imports only its own floor and the ones below.
+
+The import graph counts imports inside functions too (tools/import_graph.py), so a lazy
+import that runs back up a floor fails here just as a top-level one would.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from import_graph import build, cycles, internal, module_names  # noqa: E402
+
+# Floor of every module, lowest first; a package's modules share its floor unless named.
+CORE, ESTIMATOR, RUNNERS, USES, LESSONS, COURSE = range(6)
+FLOORS = {
+    # The small core: names and units, devices and hardware, models and data, the tracker,
+    # timing and the training step; train imports memory, timing, models and data, so they
+    # share its floor (the graph inside a floor must stay free of cycles). forkserver is the
+    # process pool timing.CpuBurner and isolate both start from; recipes, profiling and
+    # pretrained are leaves used by the floors above; quiet and progress are used by all.
+    "helpers": CORE,
+    "helpers._fork_server": CORE,
+    "helpers.compat": CORE,
+    "helpers.data": CORE,
+    "helpers.device": CORE,
+    "helpers.forkserver": CORE,
+    "helpers.hardware": CORE,
+    "helpers.memory": CORE,
+    "helpers.memory_savers": CORE,
+    "helpers.models": CORE,
+    "helpers.names": CORE,
+    "helpers.optimizer_state": CORE,
+    "helpers.pretrained": CORE,
+    "helpers.profiling": CORE,
+    "helpers.progress": CORE,
+    "helpers.quiet": CORE,
+    "helpers.recipes": CORE,
+    "helpers.results": CORE,
+    "helpers.timing": CORE,
+    "helpers.train": CORE,
+    # The estimator predicts only: it never runs an experiment.
+    "helpers.estimator": ESTIMATOR,
+    # What runs experiments in fresh processes, and what chooses (and fits) the scale.
+    "helpers.isolate": RUNNERS,
+    "helpers.scale": RUNNERS,
+    # What uses them: the planner (estimates, then measures and times), timelines, plots, and
+    # a notebook's opening line.
+    "helpers.planner": USES,
+    "helpers.timeline": USES,
+    "helpers.plots": USES,
+    "helpers.lesson": USES,
+    # One module per notebook.
+    "helpers.lessons": LESSONS,
+    # The course's tools: the only code that imports a lesson module.
+    "helpers.course": COURSE,
+    "helpers.__main__": COURSE,
+}
+
+# Third-party packages a module may import inside a function: optional extras, and slow
+# imports that only some calls need.
+DEFERRED_ALLOWED = {
+    "accelerate",  # lesson 07 and 17 only
+    "bitsandbytes",  # optional; asks CUDA when imported
+    "datasets",  # optional (real data, COURSE_PRETRAINED)
+    "deepspeed",  # optional; slow, and builds ops when imported
+    "IPython",  # inside a notebook only
+    "ipywidgets",  # the calculator's widgets; import helpers stays cheap
+    "liger_kernel",  # optional
+    "matplotlib",  # slow; only figures need it
+    "pandas",  # slow; only tables need it
+    "peft",  # optional; imports bitsandbytes
+    "psutil",  # optional
+    "pynvml",  # optional (NVIDIA only)
+    "torchao",  # optional (lesson 16's fp8)
+}
+
+# Modules already held to DEFERRED_ALLOWED: no helpers import and no other package inside a
+# function. The rest still defer imports of their own floor or below; add a module here once
+# its imports are at the top.
+TOP_IMPORTS_ONLY = {
+    "helpers.__main__",
+    "helpers._fork_server",
+    "helpers.course.fullscale",
+    "helpers.data",
+    "helpers.estimator",
+    "helpers.estimator.decoder",
+    "helpers.estimator.encoder",
+    "helpers.estimator.qlora",
+    "helpers.estimator.simulate",
+    "helpers.estimator.stages",
+    "helpers.estimator.state",
+    "helpers.forkserver",
+    "helpers.lesson",
+    "helpers.memory_savers",
+    "helpers.optimizer_state",
+    "helpers.planner",
+    "helpers.profiling",
+    "helpers.progress",
+    "helpers.quiet",
+    "helpers.recipes",
+    "helpers.scale",
+}
+
+IMPORTS = build(ROOT)
+
+
+def floor(module: str) -> int:
+    """The floor of ``module``: its own entry, else its package's."""
+    name = module
+    while name not in FLOORS:
+        if "." not in name:
+            raise KeyError(f"{module} has no floor: add it to FLOORS")
+        name = name.rpartition(".")[0]
+    return FLOORS[name]
+
+
+def test_every_module_has_a_floor():
+    missing = []
+    for name in module_names(ROOT):
+        try:
+            floor(name)
+        except KeyError:
+            missing.append(name)
+    assert not missing, f"add to FLOORS in tests/test_layers.py: {missing}"
+
+
+def test_the_import_graph_has_no_cycle():
+    assert cycles(IMPORTS) == []
+
+
+def test_no_import_runs_up_a_floor():
+    upward = [
+        f"{i.source}:{i.line} imports {i.target} ({'in a function' if i.deferred else 'top'})"
+        for i in internal(IMPORTS)
+        if floor(i.target) > floor(i.source)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_only_the_course_imports_a_lesson_module():
+    offenders = [
+        f"{i.source}:{i.line}"
+        for i in internal(IMPORTS)
+        if floor(i.target) == LESSONS and floor(i.source) < LESSONS
+    ]
+    assert not offenders
+
+
+@pytest.mark.parametrize("module", sorted(TOP_IMPORTS_ONLY))
+def test_imports_inside_functions_are_only_optional_or_slow_packages(module):
+    inner = set(internal(IMPORTS))
+    deferred = [i for i in IMPORTS if i.source == module and i.deferred]
+    bad = [
+        f"{i.source}:{i.line} {i.target}"
+        for i in deferred
+        if i in inner or i.target not in DEFERRED_ALLOWED
+    ]
+    assert not bad, "move these to the top of the module: " + ", ".join(bad)
+
+
+def test_the_graph_sees_a_climb_inside_a_function(tmp_path):
+    # The checker itself: a lazy import up a floor, in a throwaway package, is found.
+    pkg = tmp_path / "helpers"
+    (pkg / "course").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "course" / "__init__.py").write_text("")
+    (pkg / "course" / "cli.py").write_text("import helpers.models\n")
+    (pkg / "models.py").write_text("def f():\n    from helpers.course import cli\n")
+    found = build(tmp_path)
+    climbs = [i for i in internal(found) if floor(i.target) > floor(i.source)]
+    assert [(i.source, i.target, i.deferred) for i in climbs] == [
+        ("helpers.models", "helpers.course.cli", True)
+    ]
+    assert cycles(found) == [["helpers.course.cli", "helpers.models"]]
