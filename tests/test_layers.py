@@ -6,6 +6,7 @@ import that runs back up a floor fails here just as a top-level one would.
 
 from __future__ import annotations
 
+import ast
 import sys
 from pathlib import Path
 
@@ -162,6 +163,70 @@ def test_imports_inside_functions_are_only_optional_or_slow_packages(module):
         if i in inner or i.target not in DEFERRED_ALLOWED
     ]
     assert not bad, "move these to the top of the module: " + ", ".join(bad)
+
+
+def _memtracker_private_names() -> set[str]:
+    """The private names of torch's MemTracker: its module's, its class's, an instance's."""
+    from torch.distributed._tools import mem_tracker
+
+    def private(names) -> set[str]:
+        return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+    return (
+        private(dir(mem_tracker))
+        | private(dir(mem_tracker.MemTracker))
+        | private(vars(mem_tracker.MemTracker()))
+    )
+
+
+def _private_memtracker_uses(tree: ast.AST, names: set[str]) -> list[str]:
+    """Where ``tree`` reaches into torch's trackers: an import from torch.distributed._tools,
+    an attribute or an overriding method with one of MemTracker's private ``names``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "torch.distributed._tools"
+        ):
+            found.append(f"{node.lineno}: from {node.module} import ...")
+        elif isinstance(node, ast.Import):
+            found += [
+                f"{node.lineno}: import {a.name}"
+                for a in node.names
+                if a.name.startswith("torch.distributed._tools")
+            ]
+        elif isinstance(node, ast.Attribute) and node.attr in names:
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in names:
+            found.append(f"{node.lineno}: def {node.name}")
+    return found
+
+
+def test_only_helpers_memory_touches_memtrackers_private_names():
+    # helpers.memory is the course's one contact with MemTracker's private API (pinned in
+    # tests/test_memory.py); the others use CategoryTracker's public hooks (on_forward,
+    # on_count, in_backward, current_modules...), so a torch upgrade is fixed in one place.
+    names = _memtracker_private_names()
+    assert {"_pre_fw_hook", "_mod_tracker", "_in_opt", "_MemRefType"} <= names
+    offenders = [
+        f"{path.relative_to(ROOT)}:{where}"
+        for module, path in module_names(ROOT).items()
+        if module != "helpers.memory"
+        for where in _private_memtracker_uses(ast.parse(path.read_text()), names)
+    ]
+    assert not offenders, "use helpers.memory's public hooks instead: " + ", ".join(offenders)
+
+
+def test_the_private_name_check_sees_an_override():
+    names = {"_pre_fw_hook", "_mod_tracker"}
+    source = (
+        "class T(CategoryTracker):\n"
+        "    def _pre_fw_hook(self, module, inputs):\n"
+        "        return self._mod_tracker.is_bw\n"
+    )
+    assert _private_memtracker_uses(ast.parse(source), names) == [
+        "2: def _pre_fw_hook",
+        "3: ._mod_tracker",
+    ]
 
 
 def test_the_graph_sees_a_climb_inside_a_function(tmp_path):

@@ -366,31 +366,25 @@ class _MomentTracker(CategoryTracker):
         self._micro = 0
         self._last_role = ""
 
-    def _pre_fw_hook(self, module, inputs) -> None:
-        if module is self.root and not self._mod_tracker.is_bw:
+    def on_forward(self, module) -> None:
+        if module is self.root:
             self._micro += 1
-        super()._pre_fw_hook(module, inputs)
 
-    def _update_maxima(self, device):
-        snap = super()._update_maxima(device)
-        if snap is not None:
-            row = {
-                name: snap[reftype] for reftype, name in CATEGORY.items() if name in MOMENT_FIELDS
-            }
-            row["weight_copies"], row["total"] = self._copies_live, snap["Total"]
-            key = self._moment()
-            old = self.moments.get(key)
-            self.moments[key] = row if old is None else {k: max(v, old[k]) for k, v in row.items()}
-        return snap
+    def on_count(self, snap) -> None:
+        row = {name: snap[reftype] for reftype, name in CATEGORY.items() if name in MOMENT_FIELDS}
+        row["weight_copies"], row["total"] = self.weight_copies_alive, snap["Total"]
+        key = self._moment()
+        old = self.moments.get(key)
+        self.moments[key] = row if old is None else {k: max(v, old[k]) for k, v in row.items()}
 
     def _moment(self) -> tuple:
-        if self._in_opt:
+        if self.in_optimizer_step:
             return ("optimizer step", 0, "", "")
-        mt = self._mod_tracker
-        roles = {self._role(int(m.group(1))) for p in mt.parents if (m := self._layer(p))}
+        running = self.current_modules()
+        roles = {self._role(int(m.group(1))) for p in running if (m := self._layer(p))}
         role = roles.pop() if len(roles) == 1 else "middle" if roles else ""
         self._last_role = role or self._last_role
-        return ("backward" if mt.is_bw else "forward", self._micro, role, self._last_role)
+        return ("backward" if self.in_backward else "forward", self._micro, role, self._last_role)
 
     def _layer(self, fqn: str):
         return self.layer_re.search(fqn) if self.layer_re else None
