@@ -97,8 +97,10 @@ class Candidate:
         ] + (["checkpointing"] if self.gradient_checkpointing else [])
         return ", ".join(parts)
 
-    def run_config(self, model, seq_len: int, device: str | None = None, **extra):
-        """The ``helpers.train.RunConfig`` that trains this candidate."""
+    def run_config(self, model, seq_len: int, device: str | None = None, **extra) -> RunConfig:
+        """The ``helpers.train.RunConfig`` that trains this candidate: its own settings, and
+        RunConfig's defaults (not a scale's warm-up and repeats, as ``Scale.run_config``'s)
+        for what ``extra`` leaves open."""
         return RunConfig(
             model=model,
             batch_size=self.micro_batch,

@@ -52,7 +52,7 @@ class Scale:
             line += f"\nfitted to {self.card}"
         return "\n".join([line, *(f"  adapted: {note}" for note in self.notes)])
 
-    def run_config(self, **overrides):
+    def run_config(self, **overrides) -> RunConfig:
         """A ``helpers.train.RunConfig`` at this scale: the encoder, its batch, length, warm-up
         and repeats, with ``overrides`` on top (``model="decoder"`` picks the decoder)."""
         if overrides.get("model") in ("encoder", "decoder"):
