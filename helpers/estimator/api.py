@@ -7,13 +7,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from helpers.device import allocation_bytes
+from helpers.device import allocation_bytes, resolve
 from helpers.estimator.decoder import _decoder_stages
 from helpers.estimator.encoder import _encoder_stages
 from helpers.estimator.model import EXPERTS_KEY, FP32, SUPPORTED, TRACED, ModelInfo, describe_model
+from helpers.estimator.qlora import qlora_estimate
 from helpers.estimator.simulate import Estimate, _simulate
 from helpers.estimator.stages import Moment, Stage, _Shape
 from helpers.estimator.state import optimizer_state_bytes, optimizer_step_temporaries
+from helpers.estimator.traced import trace_step
+from helpers.models import load_config
 from helpers.names import ATTENTION, AUTOCAST, OPTIMIZERS, PRECISION_BYTES
 
 if TYPE_CHECKING:
@@ -54,8 +57,6 @@ def estimate(
     (``simulate.PredictedMoment``; lesson 15 draws them). Only the analytical path walks the
     step in stages, so ``moments`` asks for it and other architectures raise ValueError.
     """
-    from helpers.device import resolve
-
     _check_setting(precision, optimizer, attn, batch_size, seq_len, grad_accum)
     info = describe_model(model, attn, lora_r, lora_targets)
     limit = info.config.get("max_position_embeddings")
@@ -71,8 +72,6 @@ def estimate(
     step = _traced(info, batch_size, seq_len, precision, optimizer, gradient_checkpointing,
                    attn, grad_accum, dev.type, frozen_16bit=qlora)  # fmt: skip
     if qlora:
-        from helpers.estimator.qlora import qlora_estimate
-
         return qlora_estimate(step, info)
     return step
 
@@ -166,9 +165,6 @@ PATHS = ("auto", "analytical", "traced")
 def _traced(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accum, device_type,
             frozen_16bit=False):  # fmt: skip
     """A traced forward and backward plus the optimizer's exact state and step (traced.py)."""
-    from helpers.estimator.traced import trace_step
-    from helpers.models import load_config
-
     config = load_config({k: v for k, v in info.config.items() if k != EXPERTS_KEY})
     lora = [p for p in info.params if ".lora_A." in p.name]
     lora_r = lora[0].shape[0] if lora else 0
