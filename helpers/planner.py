@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from helpers import train
 from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, is_cuda, present, resolve
 from helpers.estimator import Estimate, describe_model, estimate
 from helpers.hardware import REFERENCE_CARDS, precision_problem
@@ -35,7 +36,7 @@ from helpers.names import ATTENTION, AUTOCAST, PRECISIONS, GiB, KiB, MiB, TiB, h
 from helpers.progress import progress
 from helpers.scale import get_scale
 from helpers.timing import Claim
-from helpers.train import RunConfig, Trainee
+from helpers.train import RunConfig
 
 DEFAULT_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")  # SGD is not a drop-in for transformers
 GC_COST = 4 / 3  # checkpointing repeats the forward: (1 + 1 + 2) / (1 + 2) of a step's FLOPs
@@ -275,7 +276,7 @@ def _run(cfg, budget: int | None) -> int:
     device = resolve(cfg.device)
     capped = bool(budget) and is_cuda(device)
     with memory_budget(budget, device=device) if capped else contextlib.nullcontext():
-        trainee = Trainee(cfg)
+        trainee = train.Trainee(cfg)  # through the module: tests stand a fake in
         for _ in range(max(1, cfg.warmup)):  # the optimizer state exists from the first step
             trainee.step()
         tracker = CategoryTracker(budget=None if capped else budget, device=device)
