@@ -105,11 +105,14 @@ TOP_IMPORTS_ONLY = {
     "helpers.memory_savers",
     "helpers.optimizer_state",
     "helpers.planner",
+    "helpers.plots",
     "helpers.profiling",
     "helpers.progress",
     "helpers.quiet",
     "helpers.recipes",
     "helpers.scale",
+    "helpers.timeline",
+    "helpers.timing",
 }
 
 IMPORTS = build(ROOT)
