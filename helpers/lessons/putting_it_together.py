@@ -20,8 +20,9 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
-from helpers.hardware import precision_problem
+from helpers.hardware import REFERENCE_CARDS, precision_problem
 from helpers.names import MiB
+from helpers.planner import OUTCOMES, card_precisions, plan_for_card
 from helpers.plots import legend_outside, separate_labels
 from helpers.results import Record
 from helpers.train import RunConfig
@@ -158,8 +159,6 @@ def search_table(outcomes, examples: int = 2):
     """
     import pandas as pd
 
-    from helpers.planner import OUTCOMES
-
     rows = []
     for outcome in OUTCOMES:
         group = [o for o in outcomes if o.outcome == outcome]
@@ -249,17 +248,12 @@ LORA_R = 16  # LoRA rank on every Linear of the layers ("all-linear"), as in the
 def your_model_space(card) -> dict:
     """The search: the card's 16-bit precision, SDPA, with or without checkpointing, AdamW
     or 8-bit AdamW (optimizers are free; each other choice costs one trace)."""
-    from helpers.planner import card_precisions
-
     half = "bf16" if "bf16" in card_precisions(card) else "fp16"
     return {"precisions": (half,), "attentions": ("sdpa",), "optimizers": ("adamw", "adamw8bit")}
 
 
 def your_model_plans(models=YOUR_MODELS, cards=YOUR_CARDS, methods=("full", "lora", "qlora")):
     """``plan_for_card`` for every model, card and method, keyed by those three."""
-    from helpers.hardware import REFERENCE_CARDS
-    from helpers.planner import plan_for_card
-
     plans = {}
     for model in models:
         for name in cards:
