@@ -83,7 +83,9 @@ DEFERRED_ALLOWED = {
 
 # Modules already held to DEFERRED_ALLOWED: no helpers import and no other package inside a
 # function. The rest still defer imports of their own floor or below; add a module here once
-# its imports are at the top.
+# its imports are at the top. Three defer helpers imports on purpose: course.cli and
+# course.calculator import no torch until a command or a widget needs it (python -m helpers,
+# import helpers), and isolate, a notebook's first import, no transformers.
 TOP_IMPORTS_ONLY = {
     "helpers.__main__",
     "helpers._fork_server",
