@@ -225,7 +225,7 @@ browser-check: $(ENV_READY)
 # ---------------------------------------------------------------------------------------------
 # A GPU host, and the oldest supported versions
 #
-# make gpu-check on a machine with a GPU: parts a-d of helpers/gpu_check.py within the deadline,
+# make gpu-check on a machine with a GPU: parts a-d of helpers/course/gpu_check.py within the deadline,
 # the report written as it goes (reports/gpu/<date>-<card>.md and .json). On a CPU it is the
 # rehearsal (tiny scale, two notebooks, build/gpu-check/).
 #

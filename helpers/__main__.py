@@ -1,7 +1,7 @@
-"""``python -m helpers``: see helpers.cli."""
+"""``python -m helpers``: see helpers.course.cli."""
 
 import sys
 
-from helpers.cli import main
+from helpers.course.cli import main
 
 sys.exit(main())

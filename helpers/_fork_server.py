@@ -1,4 +1,4 @@
-"""Imported first by the fork server of helpers.isolate, and by nothing else.
+"""Imported first by the fork server (helpers.forkserver), and by nothing else.
 
 The server's output reaches the notebook (the kernel captures its stderr), and it preloads
 libraries whose imports log notices that teach nothing (helpers.quiet). So this one module,

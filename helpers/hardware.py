@@ -16,6 +16,19 @@ import torch
 from helpers import device as dev
 from helpers.names import AUTOCAST
 
+# Cards the course is checked against, as torch reports them (memory is what the driver leaves
+# to processes, a little under the nominal size). tests/fake_gpu.py fakes these cards.
+REFERENCE_CARDS = {
+    "t4": dev.GpuInfo("Tesla T4", 15_828_320_256, (7, 5), 40, ""),
+    "v100": dev.GpuInfo("Tesla V100-SXM2-16GB", 16_935_419_904, (7, 0), 80, ""),
+    "a10g": dev.GpuInfo("NVIDIA A10G", 23_609_475_072, (8, 6), 80, ""),
+    "l4": dev.GpuInfo("NVIDIA L4", 23_580_639_232, (8, 9), 58, ""),
+    "a100-40": dev.GpuInfo("NVIDIA A100-SXM4-40GB", 42_505_273_344, (8, 0), 108, ""),
+    "a100-80": dev.GpuInfo("NVIDIA A100-SXM4-80GB", 85_089_058_816, (8, 0), 108, ""),
+    "h100": dev.GpuInfo("NVIDIA H100 80GB HBM3", 85_045_870_592, (9, 0), 132, ""),
+    "a100-mig": dev.GpuInfo("NVIDIA A100-SXM4-80GB MIG 1g.10gb", 10_468_982_784, (8, 0), 14, ""),
+}
+
 
 @dataclass
 class HardwareReport:

@@ -9,26 +9,15 @@ laptop) every time. Where forkserver does not exist (Windows) we fall back to sp
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from helpers.forkserver import context
+from helpers.forkserver import start as start  # notebooks' first cell: isolate.start()
 from helpers.progress import waiting
-
-# Imported once by the forkserver, so every child starts with them (about 0.6 s saved per
-# child for the two modeling modules). None of them touches CUDA when imported.
-_PRELOAD = [
-    "helpers._fork_server",  # first: the libraries below import quietly (helpers.quiet)
-    "torch",
-    "transformers",
-    "transformers.models.bert.modeling_bert",
-    "transformers.models.llama.modeling_llama",
-    "helpers.train",
-]
-_started_with: list[str] | None = None  # what ``start`` asked for, kept if the server restarts
 
 
 @dataclass
@@ -45,55 +34,6 @@ class Outcome:
         if self.error is None:
             return self.value
         raise RuntimeError(self.error + (f"\n\n{self.traceback}" if self.traceback else ""))
-
-
-def preload_list(*extra: str) -> list[str]:
-    """The modules the fork server imports: the usual ones, plus ``extra`` where that is safe.
-
-    Some extras ask CUDA about the GPU when imported (bitsandbytes does, and peft imports
-    it), and a process that has initialised CUDA cannot hand a working CUDA to children it
-    forks. So where a CUDA GPU is present, extras are left out and each child imports them.
-    """
-    modules = list(_PRELOAD)
-    if not extra:
-        return modules  # no need to import torch here: the server starts at once
-    from helpers.device import cuda_available
-
-    if not cuda_available():
-        modules += [m for m in extra if m not in modules]
-    return modules
-
-
-def start(*extra: str) -> bool:
-    """Start the fork server now, with ``extra`` modules preloaded too (see ``preload_list``).
-
-    The server imports its modules in the background, so started in a notebook's first cell
-    it is ready by the first experiment instead of making that one wait (seconds on a
-    laptop). Call it before the first experiment: once the server runs, its preload is fixed.
-    Returns False where there is no fork server (Windows: experiments spawn).
-    Either way this process, like the server, stays quiet from here on about the library
-    notices ``helpers.quiet`` names: a notebook's first cell calls it, before any import.
-    """
-    from multiprocessing import forkserver
-
-    from helpers.quiet import silence_library_notices
-
-    silence_library_notices()
-    global _started_with
-    if "forkserver" not in mp.get_all_start_methods():
-        return False
-    _started_with = preload_list(*extra)
-    _context()  # hands the list to the server
-    forkserver.ensure_running()
-    return True
-
-
-def _context():
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_started_with or _PRELOAD)
-        return ctx
-    return mp.get_context("spawn")
 
 
 def capture(fn: Callable, args=(), kwargs=None, catch: type = Exception) -> Outcome:
@@ -153,7 +93,7 @@ def call_isolated(
     experiment needs when it starts processes of its own, such as DataLoader workers:
     multiprocessing does not let a daemon process have children.
     """
-    ctx = _context()
+    ctx = context()
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(child, fn, args, kwargs), daemon=daemon)
     proc.start()
@@ -257,7 +197,7 @@ class Workers:
     def __init__(self, benches: dict[str, Bench], device: str, warmup: int = 1,
                  daemon: bool = True) -> None:  # fmt: skip
         self.conns, self.procs, self.errors = {}, {}, {}
-        ctx = _context()
+        ctx = context()
         for name, spec in benches.items():
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_bench_worker, args=(child, spec, device, warmup),
@@ -406,7 +346,7 @@ def mode_for(cfgs, device=None) -> str:
     """ "workers" when the training runs ``cfgs`` fit in memory all at once, else "fresh".
 
     Their peaks come from the estimator; on CUDA each worker also holds a CUDA context and
-    the allocator's margin (helpers.fullscale's model), on a CPU half the RAM is the limit.
+    the allocator's margin (helpers.course.fullscale's model), on a CPU half the RAM is the limit.
     """
     import os
 

@@ -16,6 +16,7 @@ from helpers.hardware import HardwareReport, hardware_report
 from helpers.results import Record
 from helpers.results import save as save_record
 from helpers.scale import Scale, get_scale
+from helpers.train import RunConfig
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Lesson:
         """Append ``record`` to the results store under this lesson; returns it."""
         return save_record(record, self.number)
 
-    def run_config(self, **overrides):
+    def run_config(self, **overrides) -> RunConfig:
         """A RunConfig at this lesson's scale (``Scale.run_config``)."""
         return self.scale.run_config(**overrides)
 

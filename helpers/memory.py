@@ -180,6 +180,10 @@ class CategoryTracker(MemTracker):
     relabelling of the tracked device (``events``; ``helpers.timeline`` turns them into the
     step's per-category timeline, lesson 15). Recording reads the tracker's own running totals,
     so it cannot change a peak; it slows a tracked step down a little (measured in lesson 15).
+
+    A subclass elsewhere extends it through public hooks only (``on_forward``, ``on_count``,
+    ``in_backward``, ``in_optimizer_step``, ``current_modules``, ``weight_copies_alive``):
+    ``tests/test_layers.py`` keeps MemTracker's private names inside this module.
     """
 
     def __init__(
@@ -366,6 +370,7 @@ class CategoryTracker(MemTracker):
             self.max_total = snap["Total"]
             self.max_snapshot = self._named(snap)
             self.peak_where = self._where()
+        self.on_count(snap)
         return snap
 
     def _where(self) -> str:
@@ -398,6 +403,7 @@ class CategoryTracker(MemTracker):
         # level (a decoder body, then its head chunk by chunk, as a chunked loss does) still
         # need theirs for their backward.
         if not self._mod_tracker.is_bw:
+            self.on_forward(module)
             name = self._mod_tracker.get_known_fqn(module)
             if set(self._mod_tracker.parents) - {name} == {"Global"}:
                 self.micro += 1
@@ -405,6 +411,37 @@ class CategoryTracker(MemTracker):
                     for inner in module.modules():
                         self.memory_tracking.pop(inner, None)
         super()._pre_fw_hook(module, inputs)
+
+    # -- the public view of MemTracker's state, for subclasses outside this module -------------
+
+    def on_forward(self, module: torch.nn.Module) -> None:
+        """Called as each module's forward starts (never a recomputation inside backward),
+        before anything it allocates is counted; does nothing here, for subclasses to extend
+        (the estimator's trace counts micro-batches with it)."""
+
+    def on_count(self, snap: dict) -> None:
+        """Called after each change of the tracked device's bytes, the maxima raised already,
+        with the bytes alive now: ``snap[reftype]`` for each of ``CATEGORY``'s keys, and
+        ``snap["Total"]``; does nothing here, for subclasses to extend."""
+
+    @property
+    def weight_copies_alive(self) -> int:
+        """The bytes of autocast's weight copies alive now (counted as temporaries)."""
+        return self._copies_live
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether the tracked step is inside backward now."""
+        return self._mod_tracker.is_bw
+
+    @property
+    def in_optimizer_step(self) -> bool:
+        """Whether the tracked step is inside ``optimizer.step()`` now."""
+        return self._in_opt
+
+    def current_modules(self) -> set[str]:
+        """The qualified names of the modules running now ("Global" for the top level)."""
+        return set(self._mod_tracker.parents)
 
     def _track(self, reftype, t: torch.Tensor) -> None:
         if self._skip(t):

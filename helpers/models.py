@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -16,10 +17,18 @@ ENCODER_TYPES = {"bert", "roberta", "distilbert", "electra", "albert", "deberta"
                  "xlm-roberta", "modernbert"}  # fmt: skip
 
 
+def config_path(name: str) -> Path:
+    """Path of a bundled transformers config JSON (``bert-tiny``, ``llama-7b``, ...)."""
+    folder = resources.files("helpers") / "configs"
+    path = folder / f"{name}.json"
+    if not path.is_file():
+        known = sorted(p.name.removesuffix(".json") for p in folder.iterdir())
+        raise FileNotFoundError(f"no bundled config {name!r}; bundled: {', '.join(known)}")
+    return Path(str(path))
+
+
 def load_config(spec: str | Path | dict) -> PretrainedConfig:
     """A transformers config from a bundled name, JSON path, dict, or (with a hub) a model id."""
-    from helpers.scale import config_path
-
     if isinstance(spec, dict):
         data = dict(spec)
     else:

@@ -7,12 +7,15 @@ state is touched. In a notebook, ``%matplotlib inline`` makes a returned figure 
 from __future__ import annotations
 
 import itertools
+import math
+import textwrap
 from collections.abc import Mapping, Sequence
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter, NullLocator
 
 from helpers.names import MiB
+from helpers.timeline import align
 
 # One colour per memory category, used by every lesson so the categories read the same.
 CATEGORY_COLORS = {
@@ -37,8 +40,6 @@ def plain_number(v: float) -> str:
 
 def plain_ticks(ax, x: Sequence[float] | None = None) -> None:
     """Plain numbers on log axes: ticks at the data points ``x`` (if given), no minor labels."""
-    import math
-
     plain = FuncFormatter(lambda v, _: plain_number(v))
     for axis, scale, limits in ((ax.xaxis, ax.get_xscale(), ax.get_xlim()),
                                 (ax.yaxis, ax.get_yscale(), ax.get_ylim())):  # fmt: skip
@@ -60,8 +61,6 @@ def legend_outside(ax, **options) -> None:
 
 def category_labels(ax, labels: Sequence[str], width: int = 14) -> None:
     """Run labels under bars, wrapped at ``width`` characters and slanted so none overlap."""
-    import textwrap
-
     wrapped = ["\n".join(textwrap.wrap(str(lab), width, break_long_words=False)) or str(lab)
                for lab in labels]  # fmt: skip
     ax.set_xticks(range(len(labels)), wrapped, rotation=30 if len(labels) > 3 else 0,
@@ -252,8 +251,6 @@ def memory_timeline(measured, predicted=None, title: str = "", ax=None,
     block (``helpers.timeline.align``). ``budget`` (bytes) is drawn as a line; a step stopped
     by it is annotated where it stopped. With ``ax``, draws there and returns its figure.
     """
-    from helpers.timeline import align
-
     own = ax is None
     fig = Figure(figsize=(9, 4), layout="constrained") if own else ax.figure
     ax = fig.add_subplot() if own else ax

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from helpers.estimator import estimate
+from helpers.isolate import call_isolated
 from helpers.memory import CATEGORIES, CategoryTracker
 from helpers.train import RunConfig, Trainee
 
@@ -82,8 +84,6 @@ class Timeline:
 def measure_timeline(cfg: RunConfig, top: int = 8, isolate: bool = True) -> Timeline:
     """The tracker's timeline of one steady-state step of ``cfg`` (in a fresh process)."""
     if isolate:
-        from helpers.isolate import call_isolated
-
         return call_isolated(measure_timeline, cfg, top, False).unwrap()
     trainee = Trainee(cfg)
     for _ in range(max(1, cfg.warmup)):  # the first step creates the optimizer state
@@ -159,8 +159,6 @@ def live_tensors(tracker: CategoryTracker, index: int, top: int = 8) -> list[Liv
 
 def predicted_timeline(cfg: RunConfig) -> Timeline:
     """The estimator's moments for ``cfg`` as a timeline (analytical families only)."""
-    from helpers.estimator import estimate
-
     moments: list = []
     est = estimate(
         cfg.model, cfg.batch_size, cfg.seq_len, cfg.precision, cfg.optimizer,

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import re
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.flop_counter import FlopCounterMode
 
 from helpers import device as dev
+from helpers import hardware
+from helpers.forkserver import context
+from helpers.progress import progress
 
 
 def synchronize(device: torch.device) -> None:
@@ -55,8 +63,6 @@ def time_fn(
 
 def train_flops(step: Callable[[], object]) -> int:
     """FLOPs of one call of ``step`` as torch's FlopCounterMode counts them (matmuls, attention)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     counter = FlopCounterMode(display=False)
     with counter:
         step()
@@ -195,8 +201,6 @@ def op_self_times(fn: Callable[[], object], device: torch.device) -> dict[str, f
     Self-time (time in the operator minus its children) so nested calls are not counted
     twice; on an accelerator the device time of the kernels is used.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -284,8 +288,6 @@ def median_interval(values: list[float], confidence: float = 0.9) -> tuple[float
     k - 1 rounds fell below it, a Binomial(n, 1/2) event; k is the largest with both tails
     together under 1 - ``confidence``. None when there are too few rounds (5 give 93.75 %).
     """
-    import math
-
     n, ranked = len(values), sorted(values)
     best = None
     for k in range(1, n // 2 + 1):
@@ -526,8 +528,6 @@ def _again_if_wrong(first: Comparison, measure: Callable[[], Comparison], claims
 
 def _rounds(run, names, rounds, max_rounds, claims, confidence, reject, others_limit):
     """One measurement of ``interleave``: its rounds, disturbed ones left out."""
-    from helpers.progress import progress
-
     times: dict[str, list[float]] = {n: [] for n in names}
     out = Comparison(times, confidence, kept=[])
     watch = Disturbance(others_limit, out)
@@ -562,10 +562,8 @@ class Disturbance:
     @contextlib.contextmanager
     def round(self):
         """Watch one round (helpers.hardware.OtherLoad: Linux's /proc, else nothing known)."""
-        from helpers.hardware import OtherLoad
-
         self._busy = None
-        with OtherLoad() as load:
+        with hardware.OtherLoad() as load:
             yield
         if load.cores is not None:
             self.into.others.append(load.cores)
@@ -648,8 +646,6 @@ def _measured_again(comparison: Comparison, claims) -> Comparison:
 
 def _log_claim(comparison: Comparison, claim: Claim, decision: str, lesson: str) -> None:
     """One JSON line for ``python -m helpers claims``: the decision and how it was reached."""
-    import json
-
     ran = claim.name not in comparison.errors and claim.versus not in comparison.errors
     ran = ran and bool(comparison.times.get(claim.name))  # rounds set aside are reported too
     pair = (claim.name, claim.versus)
@@ -670,8 +666,6 @@ def _log_claim(comparison: Comparison, claim: Claim, decision: str, lesson: str)
 
 def read_claims(path) -> list[dict]:
     """The rows ``check_claims`` logged to ``path`` ($COURSE_CLAIMS)."""
-    import json
-
     with open(path) as f:
         return [row for line in f if line.strip() and "verdict" in (row := json.loads(line))]
 
@@ -679,8 +673,6 @@ def read_claims(path) -> list[dict]:
 def claims_summary(rows: list[dict]) -> str:
     """The claims of a run summed up: held, undecided, confirmed wrong, rounds set aside and
     how busy the machine was; then every claim that did not hold, by name, with its reason."""
-    from collections import Counter
-
     counts = Counter(r["verdict"] for r in rows)
     lessons = {r["lesson"] for r in rows}
     aside = sum(r.get("set_aside", 0) for r in rows)
@@ -734,10 +726,8 @@ class CpuBurner:
     """
 
     def __init__(self, processes: int | None = None) -> None:
-        from helpers.isolate import _context  # the fork server: no imports to wait for
-
         self.processes = processes or max(1, (os.cpu_count() or 2) // 2)
-        self._ctx = _context()
+        self._ctx = context()  # the fork server: no imports to wait for
         self._stop = self._ctx.Event()
         self._running = self._ctx.Semaphore(0)
         self._procs: list = []

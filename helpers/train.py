@@ -5,22 +5,37 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from helpers import device as device_api
+from helpers import progress
 from helpers.data import MarkovTask, markov_batch, random_batch
 from helpers.device import nvml_used_bytes, resolve
 from helpers.hardware import hardware_report, precision_problem
 from helpers.memory import CategoryTracker, allocator_peaks, memory_budget, reset_device_peaks
-from helpers.models import build_model, count_params, enable_checkpointing, load_config, task_kind
+from helpers.memory_savers import ChunkedCausalLMLoss, OptimizerInBackward
+from helpers.models import (
+    apply_lora,
+    build_model,
+    count_params,
+    enable_checkpointing,
+    load_config,
+    task_kind,
+)
 from helpers.names import AUTOCAST, OPTIMIZERS, TRAIN_ATTENTION
 from helpers.results import Record
 from helpers.timing import (
+    OP_CLASSES,
+    Comparison,
     Disturbance,
+    by_op_class,
     confirmed,
     flops_utilisation,
+    op_class,
+    op_self_times,
     synchronize,
     time_fn,
     time_once,
@@ -184,8 +199,6 @@ class Trainee:
         if cfg.gradient_checkpointing:
             enable_checkpointing(self.model)
         if cfg.lora_r:  # freeze the weights and add adapters before the optimizer sees them
-            from helpers.models import apply_lora
-
             self.model = apply_lora(self.model, cfg.lora_r, cfg.lora_targets)
         self.model.train()
         self.n_params = count_params(self.model)
@@ -213,7 +226,6 @@ class Trainee:
                 "it cannot accumulate micro-batches or unscale fp16 gradients first: use "
                 "grad_accum=1 and fp32/bf16"
             )
-        from helpers.memory_savers import OptimizerInBackward
 
         return OptimizerInBackward(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -248,7 +260,6 @@ class Trainee:
         """How a batch becomes a loss: the model's own, or the chunked loss (lesson 16)."""
         if not self.cfg.loss_chunk:
             return model_loss
-        from helpers.memory_savers import ChunkedCausalLMLoss
 
         chunked = ChunkedCausalLMLoss(self.model, self.cfg.loss_chunk)
         return lambda model, batch: chunked(batch)
@@ -350,8 +361,6 @@ def train_markov(cfg: RunConfig, steps: int, lr: float | None = None) -> TrainRe
     ``lr``, if given, replaces every parameter group's learning rate (each optimizer of the
     course reads its group's rate at every step).
     """
-    from dataclasses import replace
-
     trainee = Trainee(replace(cfg, data="markov"))
     if lr is not None:
         for group in trainee.optimizer.param_groups:
@@ -428,8 +437,6 @@ class ForwardBackwardResult:
         return self._comparison(self._class_times(), aside, first)
 
     def _comparison(self, times: dict[str, list[float]], aside: dict, first):
-        from helpers.timing import Comparison
-
         return Comparison.of(times, aside, left_out=dict(self.left_out),
                              others=list(self.others), first=first)  # fmt: skip
 
@@ -452,8 +459,6 @@ def forward_backward(
     ``max_rounds``; a round other processes disturbed is left out, and a claim decided the
     wrong way is measured again before it can fail (as ``helpers.timing.interleave`` does).
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     trainee = Trainee(cfg)
     device, model, batch = trainee.device, trainee.model, trainee.batch()
 
@@ -499,8 +504,6 @@ def forward_backward(
 
 def _class_flops(counter) -> dict[str, int]:
     """A FlopCounterMode's counts summed per op class (contractions, normalisations, ...)."""
-    from helpers.timing import OP_CLASSES, op_class
-
     out = dict.fromkeys(OP_CLASSES, 0)
     for op, n in counter.get_flop_counts()["Global"].items():  # keys like aten.mm
         out[op_class(str(op).removeprefix("aten.").split(".")[0])] += n
@@ -510,8 +513,6 @@ def _class_flops(counter) -> dict[str, int]:
 def _forward_backward_round(forward, both, device):
     """One round: a forward and a backward timed back to back, then both passes profiled;
     (forward s, backward s, forward's op self-times, backward's)."""
-    from helpers.timing import op_self_times
-
     synchronize(device)
     t0 = time.perf_counter()
     loss = forward()
@@ -527,8 +528,6 @@ def _forward_backward_round(forward, both, device):
 
 def _add_round(out: ForwardBackwardResult, forward_s, backward_s, fwd_ops, bwd_ops) -> None:
     """Keep one round in ``out``: the passes' times and the op classes' seconds."""
-    from helpers.timing import by_op_class
-
     out.forward_times.append(forward_s)
     out.backward_times.append(backward_s)
     for phase, ops in (("forward", fwd_ops), ("backward", bwd_ops)):
@@ -545,12 +544,13 @@ def trainer_arguments(output_dir: str, device: torch.device | str | None = None,
     ``overrides`` are TrainingArguments' own names and win over these defaults (for example
     ``logging_strategy="steps", logging_steps=1`` to keep a loss per step).
     """
+    # transformers' training arguments import accelerate (and it bitsandbytes): seconds that
+    # only a Trainer run needs.
     from transformers import TrainingArguments
 
-    from helpers.progress import enabled
-
     quiet = dict(
-        report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=not enabled(),
+        report_to="none", save_strategy="no", logging_strategy="no",
+        disable_tqdm=not progress.enabled(),
         use_cpu=resolve(device).type == "cpu",
     )  # fmt: skip
     return TrainingArguments(output_dir=output_dir, **{**quiet, **overrides})
@@ -558,7 +558,7 @@ def trainer_arguments(output_dir: str, device: torch.device | str | None = None,
 
 def quiet_trainer(trainer):
     """``trainer`` without its PrinterCallback (it prints the final metrics as a dict)."""
-    from transformers import PrinterCallback
+    from transformers import PrinterCallback  # as trainer_arguments' import
 
     trainer.remove_callback(PrinterCallback)
     return trainer

@@ -21,7 +21,7 @@ os.environ.pop("COURSE_CLAIMS", None)
 @pytest.fixture
 def cli_refuses(capsys):
     """``cli_refuses(argv)``: ``python -m helpers ARGV`` exits 2 with one "error: ..." line."""
-    from helpers.cli import main
+    from helpers.course.cli import main
 
     def check(argv: list[str]) -> str:
         try:

@@ -44,7 +44,7 @@ import pynvml
 import torch
 import torch._dynamo  # imported as a CPU build first: it asks torch.cuda when imported
 
-from helpers.fullscale import REFERENCE_CARDS
+from helpers.hardware import REFERENCE_CARDS
 
 GiB = 2**30
 

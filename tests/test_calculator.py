@@ -1,4 +1,4 @@
-"""The memory calculator (helpers/calculator.py): its table, its live widgets, errors, figure.
+"""The memory calculator (helpers/course/calculator.py): its table, live widgets, errors, figure.
 
 The widgets are driven as a front end would: a control's ``.value`` is set, the Suggest
 button is clicked. ipywidgets works without a kernel (its messages go nowhere), so this runs
@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from helpers.calculator import (
+from helpers.compat import importable
+from helpers.course.calculator import (
     CATEGORIES,
     INSTALL_HINT,
     WIDGET_MIME,
@@ -25,9 +26,8 @@ from helpers.calculator import (
     evaluate,
     verdict_html,
 )
-from helpers.compat import importable
 from helpers.estimator import estimate
-from helpers.scale import config_path
+from helpers.models import config_path
 from tests.plot_checks import figure_problems
 
 # The live calculator is ipywidgets; without it calculator() falls back to the static table
@@ -41,7 +41,7 @@ def test_importing_helpers_stays_cheap_and_the_calculator_is_callable():
     code = (
         "import sys, helpers; "
         "assert not {'ipywidgets', 'matplotlib', 'torch'} & set(sys.modules), sys.modules.keys(); "
-        "assert callable(helpers.calculator); import helpers.calculator as c; "
+        "assert callable(helpers.calculator); import helpers.course.calculator as c; "
         "assert helpers.calculator is c and 'ipywidgets' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -204,7 +204,7 @@ def test_apply_sets_the_controls_to_the_suggestion_and_estimates_it():
 
 @needs_widgets
 def test_suggest_reports_its_progress_in_the_suggestion_line(monkeypatch):
-    import helpers.calculator as calc_module
+    import helpers.course.calculator as calc_module
 
     seen = []
     real = calc_module.suggest

@@ -1,6 +1,6 @@
-"""The cheat sheet's ratios come from the right records (helpers/cheatsheet.py)."""
+"""The cheat sheet's ratios come from the right records (helpers/course/cheatsheet.py)."""
 
-from helpers.cheatsheet import find, markdown, rows
+from helpers.course.cheatsheet import find, markdown, rows
 from helpers.results import Record
 
 

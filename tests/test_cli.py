@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.cli import main
-from helpers.scale import config_path
+from helpers.course.cli import main
+from helpers.models import config_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,3 +88,52 @@ def test_bad_json_config_is_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: cannot read model config")
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_every_runconfig_field_is_a_cli_option_or_listed_as_not_one():
+    # _run_config names each RunConfig field it sets: a field added to (or renamed in)
+    # RunConfig must get an option there or a place in NOT_CLI_OPTIONS, never silently keep
+    # its default because an option's name no longer matches.
+    import ast
+    import inspect
+    from dataclasses import fields
+
+    from helpers.course import cli as cli_module
+    from helpers.train import RunConfig
+
+    tree = ast.parse(inspect.getsource(cli_module._run_config))
+    (call,) = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "RunConfig"
+    ]
+    set_by_cli = {k.arg for k in call.keywords}
+    names = {f.name for f in fields(RunConfig)}
+    not_options = set(cli_module.NOT_CLI_OPTIONS)
+    assert not set_by_cli & not_options, set_by_cli & not_options
+    assert set_by_cli | not_options == names, {
+        "neither set by _run_config nor in NOT_CLI_OPTIONS": sorted(
+            names - set_by_cli - not_options
+        ),
+        "in NOT_CLI_OPTIONS, not a RunConfig field": sorted(not_options - names),
+    }
+
+
+def test_the_run_options_reach_the_runconfig():
+    from helpers.course.cli import _run_config, parser
+    from helpers.train import RunConfig
+
+    args = parser().parse_args([
+        "measure", "--model", "gpt2-tiny", "--batch-size", "3", "--seq-len", "17",
+        "--precision", "bf16", "--optimizer", "sgd", "--gradient-checkpointing",
+        "--lora-r", "2", "--lora-targets", "c_attn", "--attn", "sdpa", "--device", "cpu",
+        "--warmup", "2", "--repeats", "5", "--no-flops",
+    ])  # fmt: skip
+    assert _run_config(args) == RunConfig(
+        model="gpt2-tiny", batch_size=3, seq_len=17, precision="bf16", optimizer="sgd",
+        gradient_checkpointing=True, lora_r=2, lora_targets="c_attn", attn="sdpa",
+        device="cpu", warmup=2, repeats=5, flops=False,
+    )  # fmt: skip
+    argv = ["estimate", "--model", "bert-tiny", "--batch-size", "2", "--seq-len", "8"]
+    defaults = _run_config(parser().parse_args(argv))
+    assert defaults == RunConfig(model="bert-tiny", batch_size=2, seq_len=8)

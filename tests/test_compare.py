@@ -190,7 +190,7 @@ def test_interleave_sets_aside_rounds_a_busy_machine_disturbed(monkeypatch):
 
 
 def test_cli_claims_summarises_the_log(monkeypatch, tmp_path, capsys):
-    from helpers.cli import main
+    from helpers.course.cli import main
 
     log = tmp_path / "claims.jsonl"
     monkeypatch.setenv("COURSE_CLAIMS", str(log))

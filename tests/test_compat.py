@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import compat
-from helpers.cli import main as cli
+from helpers.course.cli import main as cli
 from helpers.models import build_model, load_config
 
 

@@ -413,7 +413,8 @@ def test_only_helpers_device_touches_cuda_accelerator_or_nvml():
     )
     code = {
         p: p.read_text()
-        for p in [*(ROOT / "helpers").glob("*.py"), *(ROOT / "scripts").glob("*.py")]
+        for folder in ("helpers", "helpers/course", "scripts")
+        for p in (ROOT / folder).glob("*.py")
     }
     for path in (ROOT / "notebooks").glob("*.ipynb"):
         cells = json.loads(path.read_text())["cells"]
@@ -443,7 +444,7 @@ def test_the_cuda_calls_a_lesson_teaches_are_still_in_it():
 
 
 def test_planner_leaves_room_for_the_context_and_the_allocator_on_cuda(monkeypatch):
-    from helpers.estimator.plan import candidates, usable_budget
+    from helpers.planner import candidates, usable_budget
 
     FakeGpu(monkeypatch, [PROFILES["a100-80"]])
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
@@ -460,7 +461,7 @@ def test_planner_leaves_room_for_the_context_and_the_allocator_on_cuda(monkeypat
 
 def test_planner_builds_and_measures_inside_the_cap(monkeypatch):
     from helpers import train
-    from helpers.estimator.plan import _run
+    from helpers.planner import _run
 
     gpu = FakeGpu(monkeypatch, [PROFILES["l4"]])
     seen = []
@@ -529,7 +530,7 @@ def test_flash_attention_2_needs_ampere_and_the_package(monkeypatch):
 
 
 def test_the_fork_server_preloads_no_cuda_asking_module_on_a_gpu(monkeypatch):
-    from helpers.isolate import _PRELOAD, preload_list
+    from helpers.forkserver import PRELOAD, preload_list
 
     FakeGpu(monkeypatch, [PROFILES["l4"]])
-    assert preload_list("bitsandbytes", "peft") == _PRELOAD  # children import them themselves
+    assert preload_list("bitsandbytes", "peft") == PRELOAD  # children import them themselves

@@ -223,7 +223,7 @@ def test_an_architecture_without_a_stage_model_is_traced():
 
 
 def test_cli_estimate_json_is_the_estimate(capsys):
-    from helpers.cli import main
+    from helpers.course.cli import main
 
     argv = "estimate --model bert-tiny --batch-size 2 --seq-len 32 --device cpu --json".split()
     assert main(argv) == 0
@@ -254,3 +254,37 @@ def test_cli_estimate_bad_input_is_one_line_and_exit_2(args, cli_refuses):
         extra = args[-1:]
     argv = ["estimate", "--json"] + [x for kv in base.items() for x in kv] + extra
     cli_refuses(argv)
+
+
+def _attributes_read(function, name: str) -> set[str]:
+    """The attributes of ``name`` that ``function``'s source reads (``cfg.batch_size``...)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == name
+    }
+
+
+def test_estimate_run_reads_every_runconfig_field_that_sets_the_bytes():
+    # A field added to (or renamed in) RunConfig must be read by estimate_run, or be listed
+    # in NOT_ESTIMATED: nothing falls back to estimate's default by a name that no longer
+    # matches.
+    from dataclasses import fields
+
+    from helpers.estimator.api import NOT_ESTIMATED
+
+    names = {f.name for f in fields(RunConfig)}
+    read = _attributes_read(estimate_run, "cfg")
+    assert not read & set(NOT_ESTIMATED), read & set(NOT_ESTIMATED)
+    assert read | set(NOT_ESTIMATED) == names, {
+        "read by estimate_run, not a RunConfig field": sorted(read - names),
+        "neither read nor in NOT_ESTIMATED": sorted(names - read - set(NOT_ESTIMATED)),
+        "in NOT_ESTIMATED, not a RunConfig field": sorted(set(NOT_ESTIMATED) - names),
+    }

@@ -1,6 +1,6 @@
 """The estimator at the full scale, checked against the tracker on PyTorch's fake tensors.
 
-The card-fitting (helpers.fullscale) trusts the estimator at bert-large and llama-400m sizes,
+The card-fitting (helpers.course.fullscale) trusts the estimator at bert-large and llama-400m sizes,
 far beyond what a 2-core machine can train. Under ``FakeTensorMode`` every tensor has its
 shape, dtype and device but no storage, so one real training step of the full scale (forward,
 backward, AdamW) runs through the course's tracker in seconds and without memory; the tracker

@@ -3,16 +3,16 @@
 The memory of each experiment is the estimator's CUDA branch (checked against measurements on
 the CPU in test_estimate.py and against CUDA's accounting in test_cuda_accounting.py); what
 else is on the card (the notebook's and the experiment's CUDA contexts, what the notebook
-keeps, the allocator's margin) is helpers.fullscale's model of it.
+keeps, the allocator's margin) is helpers.course.fullscale's model of it.
 """
 
 import pytest
 import torch
 
+from helpers.course.fullscale import LESSONS, fit_table, lesson_experiments, lesson_flops
 from helpers.device import GpuInfo
-from helpers.fullscale import LESSONS, fit_scale, fit_table, lesson_experiments, lesson_flops
 from helpers.names import GiB
-from helpers.scale import FULL, TINY, get_scale
+from helpers.scale import FULL, TINY, fit_scale, get_scale
 from tests.fake_gpu import CARDS, PROFILES, FakeGpu
 
 
@@ -93,7 +93,7 @@ def test_lesson_flops_are_counted_for_every_lesson(fitted):
 
 
 def test_cli_fit_on_a_gpu_prints_the_card_and_every_lesson(monkeypatch, capsys):
-    from helpers.cli import main
+    from helpers.course.cli import main
 
     monkeypatch.delenv("COURSE_DEVICE", raising=False)
     FakeGpu(monkeypatch, [PROFILES["l4"]])
@@ -107,7 +107,7 @@ def test_readme_shows_the_current_fit_table():
     """README's hardware table is generated: it cannot drift from what the code decides."""
     from pathlib import Path
 
-    from helpers.fullscale import fit_markdown
+    from helpers.course.fullscale import fit_markdown
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     start, end = "<!-- fit-table: python -m helpers fit --reference -->\n", "<!-- /fit-table -->"
@@ -147,7 +147,7 @@ def test_lesson_05_times_a_shape_where_16_bit_can_be_faster(fitted):
     With 256 tokens per step (the lesson's first version) the fp32 step is launch-bound on an
     H100, so 16 bits could not be faster; at the fitted shape the ratio is well under 0.8.
     """
-    from helpers.fullscale import _info
+    from helpers.scale import model_info as _info
     from helpers.timing import peak_tflops
 
     launches = 10e-6 * _operator_launches(FULL.decoder)

@@ -13,8 +13,8 @@ import nbformat
 import pytest
 
 from helpers import compat
-from helpers import gpu_check as G
-from helpers.cli import main as cli
+from helpers.course import gpu_check as G
+from helpers.course.cli import main as cli
 from helpers.lessons.putting_it_together import SEED_RECIPES
 from tests.fake_gpu import PROFILES, FakeGpu
 

@@ -142,32 +142,32 @@ def test_outcome_unwrap_and_both_paths_report_failures_alike():
 
 
 def test_fork_server_preloads_extras_only_without_cuda(monkeypatch):
-    from helpers import isolate
+    from helpers import forkserver as server
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert isolate.preload_list("peft", "torch") == [*isolate._PRELOAD, "peft"]
+    assert server.preload_list("peft", "torch") == [*server.PRELOAD, "peft"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert isolate.preload_list("peft") == isolate._PRELOAD
+    assert server.preload_list("peft") == server.PRELOAD
 
 
 def test_start_hands_the_preload_to_the_fork_server(monkeypatch):
     import multiprocessing as mp
     from multiprocessing import forkserver
 
-    from helpers import isolate
+    from helpers import forkserver as server
 
     if "forkserver" not in mp.get_all_start_methods():
         pytest.skip("no fork server on this platform")
     started = []
     monkeypatch.setattr(forkserver, "ensure_running", lambda: started.append(True))
-    monkeypatch.setattr(isolate, "_started_with", None)  # later tests: the usual preload
+    monkeypatch.setattr(server, "_started_with", None)  # later tests: the usual preload
     monkeypatch.setattr(forkserver._forkserver, "_preload_modules", [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert isolate.start("peft")
+    assert server.start("peft")
     assert started == [True]
-    assert forkserver._forkserver._preload_modules == [*isolate._PRELOAD, "peft"]
-    isolate._context()  # a later experiment keeps what start chose
-    assert forkserver._forkserver._preload_modules == [*isolate._PRELOAD, "peft"]
+    assert forkserver._forkserver._preload_modules == [*server.PRELOAD, "peft"]
+    server.context()  # a later experiment keeps what start chose
+    assert forkserver._forkserver._preload_modules == [*server.PRELOAD, "peft"]
 
 
 # Run in a fresh interpreter: which torch.cuda queries each module makes while it is imported.
@@ -201,9 +201,9 @@ def _cuda_questions(modules: list[str]) -> dict:
 def test_the_usual_preload_never_asks_cuda():
     # Why preload_list leaves extras out on a GPU: a fork server that initialised CUDA hands
     # children a CUDA they cannot use; the usual modules never ask.
-    from helpers import isolate
+    from helpers import forkserver as server
 
-    modules = [m for m in isolate._PRELOAD if m != "torch"]
+    modules = [m for m in server.PRELOAD if m != "torch"]
     asked = _cuda_questions(modules)
     assert all(asked[m] == [] for m in modules), asked
 

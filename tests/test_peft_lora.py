@@ -98,7 +98,7 @@ def test_tracker_counts_frozen_weights_without_hooking_them():
 def test_cli_estimate_takes_lora_arguments(capsys):
     import json
 
-    from helpers import cli
+    from helpers.course import cli
 
     args = ["estimate", "--model", "llama-tiny", "--batch-size", "1", "--seq-len", "16", "--json"]
     assert cli.main(args) == 0

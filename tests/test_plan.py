@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from helpers.cli import main
-from helpers.estimator.plan import candidates, parse_bytes, plan, shortlist
+from helpers.course.cli import main
+from helpers.planner import candidates, parse_bytes, plan, shortlist
 
 MiB, GiB = 2**20, 2**30
 # bert-tiny at sequence length 64: 2.4 MB of fp32 weights, 14.8 MB peak at batch 4 with AdamW.
@@ -149,7 +149,7 @@ def test_cli_plan_json(capsys):
 def _fake_plan(cands, k=3):
     """A plan of ``cands`` with made-up measurements: the first of the shortlist fails (out of
     memory), the others run, the last one timed fastest."""
-    from helpers.estimator.plan import CandidateResult, Plan
+    from helpers.planner import CandidateResult, Plan
 
     picked = shortlist(cands, k)
     failed = CandidateResult(picked[0], error="OutOfMemoryError: budget\nmore")
@@ -163,7 +163,7 @@ def _fake_plan(cands, k=3):
 
 
 def test_search_outcomes_account_for_every_candidate(cands):
-    from helpers.estimator.plan import OUTCOMES, search_outcomes
+    from helpers.planner import OUTCOMES, search_outcomes
 
     result = _fake_plan(cands)
     outcomes = search_outcomes(result, cands)
@@ -189,7 +189,7 @@ def test_search_outcomes_account_for_every_candidate(cands):
 
 
 def test_search_outcomes_refuse_another_search(cands):
-    from helpers.estimator.plan import search_outcomes
+    from helpers.planner import search_outcomes
 
     other = candidates(MODEL, BUDGET, BATCH // 2, SEQ, device="cpu")
     with pytest.raises(ValueError, match="not the search"):
@@ -198,7 +198,7 @@ def test_search_outcomes_refuse_another_search(cands):
 
 def test_search_outcomes_change_no_estimate_cost_or_choice(cands):
     # The report only reads: the plan and the candidates are the same objects, unchanged.
-    from helpers.estimator.plan import search_outcomes
+    from helpers.planner import search_outcomes
 
     result = _fake_plan(cands)
     before = (list(cands), [(c.estimated_peak, c.cost, c.fits) for c in cands], result.best)

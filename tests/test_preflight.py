@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers.preflight import CHECKS, Check, PreflightResult, format_result, why_skip
+from helpers.course.preflight import CHECKS, Check, PreflightResult, format_result, why_skip
 from tests.fake_gpu import PROFILES, FakeGpu
 
 CUDA = torch.device("cuda", 0)
@@ -41,7 +41,7 @@ def test_the_optional_packages_skip_with_how_to_install(monkeypatch):
     # what to install, not a failure (both are optional for the course).
     import importlib.util
 
-    from helpers import preflight
+    from helpers.course import preflight
 
     FakeGpu(monkeypatch, [PROFILES["h100"]])
     real = importlib.util.find_spec
@@ -62,7 +62,7 @@ def test_an_h100_runs_every_check(monkeypatch):
 
 
 def test_every_check_names_the_lessons_that_need_it():
-    from helpers.fullscale import LESSONS
+    from helpers.course.fullscale import LESSONS
 
     lessons = set(LESSONS)
     for name, needed_by, fn, _ in CHECKS:
@@ -87,7 +87,7 @@ def test_the_table_shows_every_check_and_counts_failures():
 def test_the_snapshot_check_reads_back_what_the_allocator_recorded(monkeypatch):
     # The real check on a fake T4: torch's recording functions run above the fake binding;
     # the workload's tensors cannot exist without a GPU, so the fake allocator moves instead.
-    from helpers import preflight
+    from helpers.course import preflight
 
     gpu = FakeGpu(monkeypatch, [PROFILES["t4"]])
 
@@ -107,7 +107,7 @@ def test_the_two_process_check_launches_ddp_and_says_where(monkeypatch):
     from types import SimpleNamespace
 
     import helpers.lessons.beyond_one_gpu as lesson17
-    from helpers import preflight
+    from helpers.course import preflight
 
     asked = []
 

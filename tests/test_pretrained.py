@@ -68,7 +68,7 @@ def test_the_switch_is_read_from_the_environment(tmp_path):
 
 
 def test_every_hub_model_names_a_bundled_config_and_its_licence():
-    from helpers.scale import config_path
+    from helpers.models import config_path
 
     for name, hub in HUB_MODELS.items():
         assert config_path(name).is_file(), name

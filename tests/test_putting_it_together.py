@@ -4,7 +4,8 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from helpers import cli, results
+from helpers import results
+from helpers.course import cli
 from helpers.lessons.putting_it_together import (
     SEED_RECIPES,
     ablation_table,
@@ -143,8 +144,8 @@ def test_tradeoff_figure_has_no_overlapping_or_covered_labels(runs):
 
 
 def test_search_table_groups_the_planners_search_by_outcome():
-    from helpers.estimator.plan import Candidate, SearchOutcome
     from helpers.lessons.putting_it_together import search_table
+    from helpers.planner import Candidate, SearchOutcome
 
     def cand(micro, peak, fits):
         return Candidate(micro, 8 // micro, False, "fp32", "adamw", "eager", peak, fits, 1.0)

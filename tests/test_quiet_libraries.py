@@ -76,7 +76,7 @@ def test_the_fork_server_imports_quietly():
     # The fork server imports helpers._fork_server first, then the libraries (peft pulls in
     # bitsandbytes). In a fresh interpreter, as the server: with and without it first.
     pytest.importorskip("bitsandbytes")
-    from helpers.isolate import preload_list
+    from helpers.forkserver import preload_list
 
     assert preload_list("peft")[0] == "helpers._fork_server"
     runs = {

@@ -158,7 +158,7 @@ def training_config(tmp_path_factory):
     """The lessons' llama-tiny with ``use_cache`` off, as the recipes build it. (The lessons'
     models keep transformers' default, a KV cache even in training, which the estimator
     models; in fp32 it holds the tensors autograd saves anyway, in 16-bit it adds copies.)"""
-    from helpers.scale import config_path
+    from helpers.models import config_path
 
     settings = json.loads(config_path("llama-tiny").read_text())
     path = tmp_path_factory.mktemp("config") / "llama-tiny-no-cache.json"

@@ -414,7 +414,7 @@ def test_no_internal_source_names_for_learners(path: Path):
 
 def test_cheat_sheet_rows_are_the_generators_rows():
     """CHEATSHEET.md's table has the generator's methods, links and lessons, in its order."""
-    from helpers.cheatsheet import markdown
+    from helpers.course.cheatsheet import markdown
 
     def rows(text: str) -> list[tuple[str, str]]:
         cells = [line.split(" | ") for line in text.splitlines() if line.startswith("| [")]

@@ -14,10 +14,10 @@ import torch
 from helpers.compat import importable
 from helpers.estimator import estimate
 from helpers.estimator import traced as T
-from helpers.estimator.plan import card_precisions, plan_for_card
 from helpers.estimator.qlora import nf4_bytes
 from helpers.memory import CategoryTracker
 from helpers.models import load_config
+from helpers.planner import card_precisions, plan_for_card
 from helpers.train import RunConfig, Trainee
 
 CATEGORIES = ("params", "buffers", "gradients", "optimizer_state", "activations",
@@ -227,7 +227,7 @@ def test_plan_on_paper_for_a_card_not_here():
 
 @pytest.mark.parametrize("model", FAMILIES)
 def test_cli_estimate_json_says_the_path(model, capsys):
-    from helpers.cli import main
+    from helpers.course.cli import main
 
     args = f"estimate --model {model} --batch-size 2 --seq-len 32 --device cpu --json".split()
     assert main(args) == 0
@@ -239,7 +239,7 @@ def test_cli_estimate_json_says_the_path(model, capsys):
 def test_cli_plan_for_a_traced_family(capsys):
     # The real command on a family without a stage model: its candidates priced on fake
     # tensors, the winner measured in a fresh process under the budget, to the byte.
-    from helpers.cli import main
+    from helpers.course.cli import main
 
     argv = "plan --model gpt2-tiny --budget 64MiB --effective-batch 4 --seq-len 32".split()
     assert main([*argv, *"--device cpu --top-k 1 --rounds 5 --json".split()]) == 0

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(path)
     print(f"Executed notebooks are in {args.out}/")
     if not args.no_tables:
-        from helpers.cli import main as helpers_cli
+        from helpers.course.cli import main as helpers_cli
 
         for table in ("summary", "capstone", "cheatsheet", "claims"):
             helpers_cli([table])

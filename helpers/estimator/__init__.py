@@ -4,7 +4,8 @@ Two paths (``estimate(..., path=)``; ``Estimate.path`` says which answered): the
 stage model below, for BERT, Llama, Mistral, Qwen2 and Mixtral, which says *why* each byte is
 there; and for every other architecture and every LoRA run, ``helpers.estimator.traced``: the
 course's tracker over one real training step on fake tensors. ``qlora=True`` adds 4-bit
-weights to a LoRA step (``helpers.estimator.qlora``); ``plan.plan_for_card`` plans on paper.
+weights to a LoRA step (``helpers.estimator.qlora``). The estimator predicts only; the planner that
+runs candidates (``helpers.planner``) sits above it.
 
 ``estimate(...)`` returns the categories ``helpers.train.measure`` reports (the
 ``helpers.memory.CategoryTracker`` contract): each category's own largest size during one

@@ -7,8 +7,13 @@ import re
 from dataclasses import dataclass
 
 import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PretrainedConfig,
+)
 
-from helpers.models import load_config, task_kind
+from helpers.models import apply_lora, load_config, task_kind
 
 FP32 = 4
 
@@ -117,12 +122,6 @@ def describe_model(
     With ``lora_r`` > 0 peft adds LoRA adapters of that rank to ``lora_targets`` (as
     ``RunConfig.lora_targets``) and freezes everything else, as ``helpers.train.Trainee`` does.
     """
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        PretrainedConfig,
-    )
-
     if isinstance(model, ModelInfo):
         return model
     config = model if isinstance(model, PretrainedConfig) else load_config(model)
@@ -135,8 +134,6 @@ def describe_model(
     with torch.device("meta"):
         net = auto.from_config(config, attn_implementation=attn, dtype=torch.float32)
         if lora_r:
-            from helpers.models import apply_lora
-
             net = apply_lora(net, lora_r, lora_targets)
     owner = {}  # the first module that holds each parameter (for a tied weight: the embedding)
     for mod in net.modules():

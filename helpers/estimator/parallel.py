@@ -42,15 +42,19 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import math
 import re
 from dataclasses import dataclass, replace
 
-from helpers.device import allocation_bytes
+import torch
+
+from helpers.device import allocation_bytes, resolve
+from helpers.estimator.api import estimate
 from helpers.estimator.model import EXPERTS_KEY, FP32, ModelInfo, ParamInfo, describe_model
 from helpers.estimator.simulate import Estimate
 from helpers.estimator.state import optimizer_state_bytes, optimizer_step_temporaries
-from helpers.models import ENCODER_TYPES
+from helpers.models import ENCODER_TYPES, build_model, load_config
 
 PARALLEL_STRATEGIES = ("ddp", "fsdp")
 INT64 = 8  # token ids and labels
@@ -77,8 +81,6 @@ def estimate_per_rank(
     whose state is elementwise (adamw, sgd): Adafactor's factored state and bitsandbytes'
     8-bit state are not defined on sharded tensors the same way.
     """
-    from helpers.estimator.api import estimate
-
     if strategy not in PARALLEL_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: use one of {PARALLEL_STRATEGIES}")
     if world_size < 1:
@@ -98,8 +100,6 @@ def estimate_per_rank(
 
 def _device_type(kwargs: dict) -> str:
     """The device type ``estimate`` will model for these keyword arguments."""
-    from helpers.device import resolve
-
     return resolve(kwargs.get("device")).type
 
 
@@ -182,8 +182,6 @@ def fsdp_groups(info: ModelInfo) -> dict[str, list[ParamInfo]]:
 
 def _config_key(config: dict) -> str:
     """A hashable form of a ModelInfo's config (for the cache below)."""
-    import json
-
     return json.dumps({k: v for k, v in config.items() if k != EXPERTS_KEY}, sort_keys=True,
                       default=str)  # fmt: skip
 
@@ -192,12 +190,6 @@ def _config_key(config: dict) -> str:
 def _units_of(config_json: str) -> tuple[dict[str, str], dict[str, bool]]:
     """Parameter name -> FSDP2 unit, and unit -> reshard after forward, from the model built
     on the meta device."""
-    import json
-
-    import torch
-
-    from helpers.models import build_model, load_config
-
     with torch.device("meta"):
         net = build_model(load_config(json.loads(config_json)))
     units = fsdp_units(net)

@@ -38,7 +38,7 @@ CPU semantics, and CUDA's differences on top
       composite keeps the CPU's policy.
     Left as on the CPU: the memory-efficient kernel pads its log-sum-exp to a multiple of 32
     positions (exact when the sequence length is one), and library workspaces (cuBLAS) that
-    no tensor shows are the reserve margin's job (``helpers.estimator.plan.usable_budget``).
+    no tensor shows are the reserve margin's job (``helpers.planner.usable_budget``).
 """
 
 from __future__ import annotations
@@ -51,11 +51,18 @@ import re
 from dataclasses import dataclass
 
 import torch
+from torch import _meta_registrations as torch_meta
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
+from transformers import masking_utils
 
 from helpers import compat
+from helpers.data import random_batch
 from helpers.memory import CATEGORY, CategoryTracker
+from helpers.models import apply_lora, build_model, enable_checkpointing, load_config, task_kind
 from helpers.names import AUTOCAST
+from helpers.quiet import quiet_libraries
+from helpers.train import make_optimizer, train_step
 
 # CUDA's autocast lists (ATen/autocast_mode.h), by the name a Python call carries.
 # AT_FORALL_FP32: every floating input is cast to fp32 first. The list of the installed torch:
@@ -203,8 +210,6 @@ def trace_step(
 
 @functools.lru_cache(maxsize=256)
 def _trace_cached(key, b, s, precision, gc, attn, accum, device_type, lora_r, lora_targets, half):
-    from helpers.models import load_config
-
     config = load_config(json.loads(key))
     setting = (b, s, precision, gc, attn, accum, device_type, lora_r, lora_targets, half)
     plan = layer_plan(config)
@@ -277,13 +282,6 @@ def _with_layers(config, kinds: list[str]):
 
 def _trace(config, b, s, precision, gc, attn, accum, device_type, lora_r, lora_targets, half):
     """Trace ``config`` whole: what it held (``Traced``) and its maxima per moment."""
-    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
-
-    from helpers.data import random_batch
-    from helpers.models import build_model, enable_checkpointing, task_kind
-    from helpers.quiet import quiet_libraries
-    from helpers.train import train_step
-
     kind = task_kind(config)
     cuda = device_type == "cuda"
     mode = FakeTensorMode()
@@ -295,8 +293,6 @@ def _trace(config, b, s, precision, gc, attn, accum, device_type, lora_r, lora_t
             recompute = (lambda: (contextlib.nullcontext(), semantics)) if cuda else None
             enable_checkpointing(model, context_fn=recompute)
         if lora_r:
-            from helpers.models import apply_lora
-
             # peft deep-copies a classifier's head to train it; FakeCopyMode keeps the copy's
             # fresh tensors in this fake mode (a plain deepcopy makes them in another one).
             with FakeCopyMode(mode):
@@ -366,31 +362,25 @@ class _MomentTracker(CategoryTracker):
         self._micro = 0
         self._last_role = ""
 
-    def _pre_fw_hook(self, module, inputs) -> None:
-        if module is self.root and not self._mod_tracker.is_bw:
+    def on_forward(self, module) -> None:
+        if module is self.root:
             self._micro += 1
-        super()._pre_fw_hook(module, inputs)
 
-    def _update_maxima(self, device):
-        snap = super()._update_maxima(device)
-        if snap is not None:
-            row = {
-                name: snap[reftype] for reftype, name in CATEGORY.items() if name in MOMENT_FIELDS
-            }
-            row["weight_copies"], row["total"] = self._copies_live, snap["Total"]
-            key = self._moment()
-            old = self.moments.get(key)
-            self.moments[key] = row if old is None else {k: max(v, old[k]) for k, v in row.items()}
-        return snap
+    def on_count(self, snap) -> None:
+        row = {name: snap[reftype] for reftype, name in CATEGORY.items() if name in MOMENT_FIELDS}
+        row["weight_copies"], row["total"] = self.weight_copies_alive, snap["Total"]
+        key = self._moment()
+        old = self.moments.get(key)
+        self.moments[key] = row if old is None else {k: max(v, old[k]) for k, v in row.items()}
 
     def _moment(self) -> tuple:
-        if self._in_opt:
+        if self.in_optimizer_step:
             return ("optimizer step", 0, "", "")
-        mt = self._mod_tracker
-        roles = {self._role(int(m.group(1))) for p in mt.parents if (m := self._layer(p))}
+        running = self.current_modules()
+        roles = {self._role(int(m.group(1))) for p in running if (m := self._layer(p))}
         role = roles.pop() if len(roles) == 1 else "middle" if roles else ""
         self._last_role = role or self._last_role
-        return ("backward" if mt.is_bw else "forward", self._micro, role, self._last_role)
+        return ("backward" if self.in_backward else "forward", self._micro, role, self._last_role)
 
     def _layer(self, fqn: str):
         return self.layer_re.search(fqn) if self.layer_re else None
@@ -449,9 +439,6 @@ def _trace_optimizer(name: str, model, leftovers: int) -> StepBytes:
     ``leftovers`` are the bytes the training step still holds besides the model state when
     it calls ``optimizer.step()`` (its loss tensors).
     """
-    from helpers.memory import CategoryTracker
-    from helpers.train import make_optimizer
-
     optimizer = make_optimizer(name, model)
     optimizer.step()
     tracker = CategoryTracker(device=torch.device("cpu"), module_peaks=False)
@@ -486,22 +473,20 @@ def _cpu_grouped_mm():
     ``aten._grouped_mm``'s meta function checks CUDA's rule (bf16 only); the CPU kernel that
     a real run on this machine uses also multiplies fp32, with an output of the same shape.
     """
-    from torch import _meta_registrations as meta
-
-    original = meta._meta_grouped_mm_common
+    original = torch_meta._meta_grouped_mm_common
 
     def common(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None,
                out_dtype=None, *args, **kwargs):  # fmt: skip
         if scale_a is None and mat_a.dtype == mat_b.dtype == torch.float32:
-            return meta._create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+            return torch_meta._create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
         return original(mat_a, mat_b, scale_a, scale_b, offs, bias, scale_result, out_dtype,
                         *args, **kwargs)  # fmt: skip
 
-    meta._meta_grouped_mm_common = common
+    torch_meta._meta_grouped_mm_common = common
     try:
         yield
     finally:
-        meta._meta_grouped_mm_common = original
+        torch_meta._meta_grouped_mm_common = original
 
 
 @contextlib.contextmanager
@@ -521,8 +506,6 @@ def _never_packed():
     Every row of these batches is one sequence (positions 0..s-1), which is what the check
     finds on real tensors.
     """
-    from transformers import masking_utils
-
     original = masking_utils.find_packed_sequence_indices
     masking_utils.find_packed_sequence_indices = lambda position_ids: None
     try:
@@ -540,8 +523,6 @@ def _no_padding():
     tensor cannot answer, so it builds the b x s x s mask that a real run of the same batch
     never builds. The course's batches have no padding: the answer on real tensors is yes.
     """
-    from torch._subclasses.fake_tensor import FakeTensor
-    from transformers import masking_utils
 
     def unpadded(original):
         def ask(padding_mask, *args, **kwargs):

@@ -19,6 +19,7 @@ import pandas as pd
 import torch
 
 from helpers.data import random_batch
+from helpers.estimator import estimate
 from helpers.models import build_model
 from helpers.names import PRECISION_BYTES, KiB, MiB
 
@@ -206,8 +207,6 @@ def layer_account(
     config, batch_size: int, seq_len: int, device: torch.device, dropout: float | None = None
 ) -> LayerAccount:
     """Measure the first layer's saved tensors and set them against Korthikanti's terms."""
-    from helpers.estimator import estimate
-
     config = with_dropout(config, dropout)
     device = torch.device(device)
     saved = saved_in_first_layer(config, batch_size, seq_len, device)

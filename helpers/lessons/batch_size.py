@@ -14,17 +14,23 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from matplotlib.figure import Figure
 
+from helpers.data import MarkovTask, markov_dataset
+from helpers.device import resolve
+from helpers.isolate import call_isolated
 from helpers.memory import CategoryTracker, memory_budget
+from helpers.models import build_model, load_config, task_kind
 from helpers.names import MiB, human_bytes
 from helpers.plots import legend_outside, plain_ticks
 from helpers.quiet import quiet_libraries
-from helpers.timing import Disturbance, time_fn
+from helpers.timing import Comparison, Disturbance, time_fn
+from helpers.train import quiet_trainer, trainer_arguments
 
 # The phrase accelerate.utils.should_reduce_batch_size looks for in a CUDA/XPU OOM message.
 OOM_PHRASE = " out of memory."
@@ -105,9 +111,6 @@ class MatmulTimingResult:
         """A ``helpers.timing.Comparison`` of groups of sizes: per round, the median (``best``:
         the lowest) seconds per FLOP over the group's sizes, so that groups compare by speed.
         A claim it decides the wrong way is measured again in a fresh process (``again``)."""
-        from helpers.isolate import call_isolated
-        from helpers.timing import Comparison
-
         pick = min if best else statistics.median
 
         def per_round(rounds: dict[int, list[float]]) -> dict[str, list[float]]:
@@ -222,14 +225,7 @@ def trainer_auto_batch(
     seed: int = 0,
 ) -> TrainerSearchResult:
     """Train ``model`` with the Trainer's ``auto_find_batch_size`` inside a memory budget."""
-    import tempfile
-
     from transformers import Trainer
-
-    from helpers.data import MarkovTask, markov_dataset
-    from helpers.device import resolve
-    from helpers.models import build_model, load_config, task_kind
-    from helpers.train import quiet_trainer, trainer_arguments
 
     dev = resolve(device)
     config = load_config(model)

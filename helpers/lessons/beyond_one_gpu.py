@@ -44,9 +44,21 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import device as dev
-from helpers.lessons.accelerate_loop import LoopConfig, LoopResult, StepMeter
+from helpers.estimator.parallel import fsdp_units
+from helpers.lessons.accelerate_loop import (
+    LoopConfig,
+    LoopResult,
+    StepMeter,
+    accelerate_train,
+    loop_parts,
+)
 from helpers.memory import fsdp_category_tracker
 from helpers.names import MiB
+from helpers.plots import CATEGORY_COLORS, category_labels, legend_outside
+from helpers.quiet import quiet_libraries
+from helpers.results import Record
+from helpers.scale import TINY
+from helpers.train import make_optimizer
 
 if TYPE_CHECKING:  # the processes import this module too: matplotlib only where it draws
     from matplotlib.figure import Figure
@@ -193,8 +205,6 @@ def shard_by_hand(model: torch.nn.Module) -> list[str]:
     afterwards, on ``model.parameters()`` (PyTorch's ``fully_shard`` docs and FSDP2 tutorial).
     Returns the units' names."""
     from torch.distributed.fsdp import fully_shard
-
-    from helpers.estimator.parallel import fsdp_units
 
     units = fsdp_units(model)
     for unit in units[:-1]:
@@ -353,9 +363,6 @@ def _prepare_rank(cfg: ParallelConfig):
     (loop config, parts, result, meter, whether the loop must see one process)."""
     from transformers import get_constant_schedule
 
-    from helpers.lessons.accelerate_loop import loop_parts
-    from helpers.train import make_optimizer
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     strategy = strategy_from_env(cfg.strategy) if world > 1 else "single"
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
@@ -390,8 +397,6 @@ def _prepare_rank(cfg: ParallelConfig):
 def rank_train(cfg: ParallelConfig) -> RankResult:
     """One process's part: lesson 07's loop, unchanged, with one step counted (collectives)
     and one tracked (memory) between its ``yield``s, as lesson 07's ``train_loop`` does."""
-    from helpers.lessons.accelerate_loop import accelerate_train
-
     if not cfg.count_step < cfg.track_step < cfg.max_steps:
         raise ValueError("need count_step < track_step < max_steps")
     loop_cfg, parts, result, meter, by_hand = _prepare_rank(cfg)
@@ -432,8 +437,6 @@ def parse_args(argv: list[str] | None = None) -> ParallelConfig:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line of one process: ``torchrun ... -m helpers.lessons.beyond_one_gpu [options]``."""
-    from helpers.quiet import quiet_libraries
-
     cfg = parse_args(argv)
     with quiet_libraries():
         result = rank_train(cfg)
@@ -605,8 +608,6 @@ def memory_mib(memory: dict, keys=MEMORY_KEYS) -> dict[str, float]:
 
 def rank_record(result: RankResult, cfg: ParallelConfig, label: str, device: dict):
     """One process's run as a results-store Record: its memory, losses and step times."""
-    from helpers.results import Record
-
     config = {
         "model": cfg.model, "batch_size": cfg.per_device_train_batch_size,
         "seq_len": cfg.seq_len, "optimizer": cfg.optimizer, "label": label,
@@ -627,8 +628,6 @@ def lesson_config(scale, world_size: int = 2) -> tuple[ParallelConfig, Placement
     """The lesson's run and where its processes go: the scale's decoder on GPUs where each
     process has one, else the tiny scale's on CPU processes (a full-scale model on CPU
     processes would take minutes); the global batch is the scale's, split over the processes."""
-    from helpers.scale import TINY
-
     placement = place_rank(0, world_size)
     on_gpus = placement.device.type == "cuda"
     sizes = scale if on_gpus else TINY
@@ -652,8 +651,6 @@ def rank_memory_bars(memories: dict[str, dict], title: str = "") -> Figure:
     peak (the categories peak at different moments); the dot is the real largest total.
     """
     from matplotlib.figure import Figure
-
-    from helpers.plots import CATEGORY_COLORS, category_labels, legend_outside
 
     fig = Figure(figsize=(max(5.5, 1.3 * len(memories) + 3.5), 4), layout="constrained")
     ax = fig.add_subplot()

@@ -27,7 +27,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from helpers import hardware
+from helpers.data import MarkovTask
+from helpers.device import UtilSampler, resolve
+from helpers.isolate import call_isolated
+from helpers.models import build_model, load_config
 from helpers.names import MiB
+from helpers.plots import category_labels, legend_outside
+from helpers.results import Record
+from helpers.timing import Comparison, compare_calls, interleave, synchronize
+from helpers.train import make_optimizer, quiet_trainer, train_step, trainer_arguments
 
 CONSONANTS = "bdfgklmnprstvz"
 VOWELS = "aeiou"
@@ -72,8 +81,6 @@ def make_tokenizer(kind: str = "slow", seed: int = 0):
 
 def markov_walks(n_walks: int, length: int, n_states: int, seed: int = 0) -> torch.Tensor:
     """(n_walks, length) state ids: walks of ``MarkovTask(n_states)`` from its stationary law."""
-    from helpers.data import MarkovTask
-
     task = MarkovTask(n_states=n_states, seed=seed)
     g = torch.Generator().manual_seed(seed)
     cum = task.transition.cumsum(1)  # (n, n): inverse-CDF sampling, one uniform per step
@@ -223,9 +230,6 @@ def to_device(batch: dict, device: torch.device, non_blocking: bool = False) -> 
 
 def _model_and_optimizer(name: str, device: torch.device, seed: int):
     """The lesson's model (random init, fp32) and AdamW, on ``device``."""
-    from helpers.models import build_model, load_config
-    from helpers.train import make_optimizer
-
     model = build_model(load_config(name), device=device, seed=seed)
     model.train()
     return model, make_optimizer("adamw", model)
@@ -233,8 +237,6 @@ def _model_and_optimizer(name: str, device: torch.device, seed: int):
 
 def _device(device: str | None) -> torch.device:
     """``device`` as a torch.device (None: the default device)."""
-    from helpers.device import resolve
-
     return resolve(device)
 
 
@@ -347,9 +349,6 @@ def calibrate(
 
 def _step_costs(net, optimizer, batch: dict, dev: torch.device, repeats: int):
     """Median (wall-clock, CPU) seconds of the base training step on ``batch``, warmed up."""
-    from helpers.timing import synchronize
-    from helpers.train import train_step
-
     walls, cpus = [], []
     for i in range(2 + repeats):  # two warm-up steps (the first creates AdamW's state)
         synchronize(dev)
@@ -373,8 +372,6 @@ def _words_per_doc(t_target: float, batch_size: int, seq_len: int, probe_words: 
 
 def _tokenizer_rounds(docs: Documents, batch_size: int, seq_len: int, rounds: int, claims):
     """Batches of ``docs`` from each tokenizer's loader, timed in turns (a Comparison)."""
-    from helpers.timing import compare_calls
-
     batches = {kind: endless(make_loader(docs, batch_size, seq_len, kind)) for kind in TOKENIZERS}
     return compare_calls(
         {kind: (lambda it=it: next(it)) for kind, it in batches.items()},
@@ -465,8 +462,6 @@ def loader_loop(config: LoaderConfig) -> LoaderResult:
     # The collate function times itself (WindowCollator(timed=True)), so each run also yields
     # its own t_data and t_model, measured while it ran: the prediction and the measurement
     # share the machine's state of that moment.
-    from helpers.timing import synchronize
-    from helpers.train import train_step
 
     c = config
     check_workers_allowed(c.num_workers)
@@ -497,10 +492,8 @@ def loader_loop(config: LoaderConfig) -> LoaderResult:
     result.first_batch_s = time.perf_counter() - start - compute  # iter() + first batch
     for _ in range(c.warmup - 1):
         step(it)
-    from helpers.device import UtilSampler
-    from helpers.hardware import OtherLoad
 
-    with UtilSampler(dev) as sampler, OtherLoad() as others:
+    with UtilSampler(dev) as sampler, hardware.OtherLoad() as others:
         for _ in range(c.steps):
             wait, compute, collate, collate_cpu, cpu = step(it)
             result.waits.append(wait)
@@ -556,9 +549,6 @@ def loop_rounds(
     claimed < 0.8), and a run that loses a core to a burst for a fifth of its time moves its
     ratio towards 1 by about that much.
     """
-    from helpers.isolate import call_isolated
-    from helpers.timing import Comparison, interleave
-
     runs: dict[str, list[LoaderResult]] = {name: [] for name in configs}
     this_round: dict[str, LoaderResult] = {}
 
@@ -610,8 +600,6 @@ def startup_rounds(
     epoch of each is one unit, so the set-ups alternate epoch by epoch (``rounds`` as for
     ``helpers.timing.interleave``). Short documents: the delay is start-up, not tokenising.
     """
-    from helpers.timing import interleave
-
     check_workers_allowed(max(w for w, _ in setups.values()))
     docs = Documents(batch_size * batches, seq_len, seed=0)
     loaders = {
@@ -744,8 +732,6 @@ def trainer_runs(
 
 def _trainer_args(folder: str, dev: torch.device, batch_size: int, steps: int, workers: int):
     """Quiet TrainingArguments: ``steps`` steps fed by ``workers`` DataLoader workers."""
-    from helpers.train import trainer_arguments
-
     return trainer_arguments(
         folder,
         dev,
@@ -760,9 +746,6 @@ def _trainer_args(folder: str, dev: torch.device, batch_size: int, steps: int, w
 
 def _train(classes: tuple[type, type], model: str, args, docs: Documents, collate) -> _TrainerRun:
     """A fresh ``model`` trained by a quiet, timed Trainer (``classes``: Trainer, clock)."""
-    from helpers.models import build_model, load_config
-    from helpers.train import quiet_trainer
-
     trainer_class, clock_class = classes
     clock = clock_class()
     net = build_model(load_config(model), seed=0)
@@ -800,8 +783,6 @@ def _trainer_result(
 
 def copy_comparison(hosts: dict[str, torch.Tensor], device: str, claims=(), **rounds):
     """Copies of each host tensor to ``device`` timed in turns (non-blocking where pinned)."""
-    from helpers.timing import compare_calls
-
     dev = torch.device(device)
     dest = torch.empty_like(next(iter(hosts.values())), device=dev)
     calls = {
@@ -813,8 +794,6 @@ def copy_comparison(hosts: dict[str, torch.Tensor], device: str, claims=(), **ro
 
 def host_held(device: str, pinned: bool, non_blocking: bool, nbytes: int, busy_s: float = 0.05):
     """(GPU busy, Python held, total) seconds of a host-to-device copy behind queued work."""
-    from helpers.timing import synchronize
-
     dev = torch.device(device)
     a = torch.randn(2048, 2048, device=dev)
     a @ a  # the first matmul initialises the BLAS library
@@ -900,8 +879,6 @@ def starvation_figure(
     # rates: {label: (median, slowest, fastest)} samples/s of interleaved rounds (error bars).
     from matplotlib.figure import Figure
 
-    from helpers.plots import category_labels, legend_outside
-
     fig = Figure(figsize=(13, 4.5), layout="constrained")
     left, right = fig.subplots(1, 2)
     labels = list(runs)
@@ -943,8 +920,6 @@ def starvation_figure(
 
 def loop_record(result: LoaderResult, device: dict, label: str):
     """A loop's measurement as a course ``Record`` (for ``helpers.results.save``)."""
-    from helpers.results import Record
-
     cfg = result.config
     config = {
         "label": label,

@@ -33,9 +33,30 @@ from typing import Any
 
 import torch
 
-from helpers.device import set_current
-from helpers.memory import CategoryTracker
+from helpers.data import MarkovTask, markov_dataset, random_batch
+from helpers.device import (
+    ASSUMED_CONTEXT,
+    RESERVE_MARGIN,
+    gpu_info,
+    is_cuda,
+    nvml_used_bytes,
+    resolve,
+    set_current,
+)
+from helpers.hardware import hardware_report
+from helpers.memory import (
+    CategoryTracker,
+    OffloadView,
+    allocator_peaks,
+    memory_budget,
+    reset_device_peaks,
+)
+from helpers.models import build_model, count_params, load_config, task_kind
 from helpers.names import GiB, MiB
+from helpers.plots import CATEGORY_COLORS, STEP_CATEGORIES, category_labels
+from helpers.results import Record
+from helpers.timing import time_fn
+from helpers.train import make_optimizer, quiet_trainer, trainer_arguments
 
 FP32 = 4
 # The course's rule of thumb for fp32 training with AdamW (lesson 01): 4 weights + 4 gradients
@@ -269,8 +290,6 @@ def _fetched_counter(module: torch.nn.Module):
 def _cpu_model(run: ZeroConfig):
     """``run``'s model config, its model built on the CPU (DeepSpeed moves or partitions it at
     initialize), the parameter count (before ZeRO-3 partitions them away), its DeepSpeed config."""
-    from helpers.models import build_model, count_params, load_config
-
     config = load_config(run.model)
     model = build_model(config, device="cpu", seed=run.seed)
     ds_config = zero_config(
@@ -295,10 +314,6 @@ def build_engine(run: ZeroConfig, device: torch.device) -> _ZeroSetup:
 
     Call it in a fresh process: DeepSpeed starts a process group and keeps global state.
     """
-    from helpers.data import random_batch
-    from helpers.models import task_kind
-    from helpers.train import make_optimizer
-
     deepspeed = _start_deepspeed(device)  # one_process_env(), DS_ACCELERATOR, import deepspeed
     config, model, n_params, ds_config = _cpu_model(run)  # the model on the CPU, zero_config()
     optimizer = make_optimizer("adamw", model)  # the same torch AdamW as the plain runs
@@ -342,8 +357,6 @@ def _engine_step(setup: _ZeroSetup, losses: list[float] | None = None):
 def zero_step(run: ZeroConfig):
     """One DeepSpeed training step of ``run`` as a callable: a contender to time in a process
     of its own (``helpers.isolate.bench``), next to ``helpers.train.trainee_step``."""
-    from helpers.device import resolve
-
     return _engine_step(build_engine(run, resolve(run.device)))
 
 
@@ -356,9 +369,6 @@ def measure_zero(run: ZeroConfig):
     devices), ``resident``, what the model itself holds between steps, ``fetched``, the most
     ZeRO-3 weights on the device at once (CPU), and DeepSpeed's estimate for this setup.
     """
-    from helpers.device import resolve
-    from helpers.memory import memory_budget
-
     t0 = time.perf_counter()
     device = resolve(run.device)
     cap = contextlib.nullcontext()
@@ -373,8 +383,6 @@ def measure_zero(run: ZeroConfig):
 
 def _measure(run: ZeroConfig, device: torch.device, t0: float):
     """``measure_zero``'s steps: warm up, one tracked step, the timed steps; their Record."""
-    from helpers.timing import time_fn
-
     setup = build_engine(run, device)
     losses: list[float] = []
     step = _engine_step(setup, losses)
@@ -388,8 +396,6 @@ def _measure(run: ZeroConfig, device: torch.device, t0: float):
 def _tracked_step(step, setup: _ZeroSetup, run: ZeroConfig, device: torch.device):
     """One steady-state step, measured: on a GPU by the allocator (peaks reset; returns None),
     elsewhere by a CategoryTracker that leaves DeepSpeed's offload buffers out (returned)."""
-    from helpers.memory import OffloadView, reset_device_peaks
-
     if device.type == "cuda":
         reset_device_peaks(device)
         step()
@@ -458,11 +464,6 @@ def _own_estimate(run: ZeroConfig, setup: _ZeroSetup) -> dict:
 
 def _zero_record(run: ZeroConfig, device, setup: _ZeroSetup, tracker, timing, losses, t0):
     """The Record of a measured ZeRO run: device categories in ``memory``, the rest in ``extra``."""
-    from helpers.device import nvml_used_bytes
-    from helpers.hardware import hardware_report
-    from helpers.memory import allocator_peaks
-    from helpers.results import Record
-
     extra = _owner_bytes(setup, run)
     memory = {}
     if tracker is not None:
@@ -511,11 +512,6 @@ def train_with_trainer(run: ZeroConfig, steps: int) -> TrainerResult:
     import tempfile
 
     from transformers import Trainer  # quietly: a fresh process runs inside helpers.quiet
-
-    from helpers.data import MarkovTask, markov_dataset
-    from helpers.device import resolve
-    from helpers.models import task_kind
-    from helpers.train import quiet_trainer, trainer_arguments
 
     device = resolve(run.device)
     _start_deepspeed(device)
@@ -568,8 +564,6 @@ def layer_counts(config) -> tuple[int, int]:
     """(parameters, parameters of the largest single module), counted on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    from helpers.models import load_config
-
     config = load_config(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -585,8 +579,6 @@ def oversized_config(config, budget: int, over: float = 1.5, layers: int = 4) ->
     (~width), so the offloaded run still fits the budget while the plain one cannot. The result
     is a ``config.json`` dict, as ``widen``'s.
     """
-    from helpers.models import load_config
-
     base = load_config(config).to_dict()
     base["num_hidden_layers"] = layers
     for factor in range(1, 65):
@@ -725,8 +717,6 @@ def timing_mode(records: dict, device=None) -> str:
     built on the host fit in half the RAM; else "fresh" (one at a time, rebuilt each round).
     On a CPU the device is the host, so device peaks count against the RAM.
     """
-    from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, gpu_info, is_cuda, resolve
-
     device = resolve(device)
     on_device = sum(device_peak(r) for r in records.values()) * (1 + RESERVE_MARGIN)
     host = sum(host_bytes(r) + 4 * (r.n_params or 0) for r in records.values())
@@ -742,8 +732,6 @@ def timing_mode(records: dict, device=None) -> str:
 def placement_figure(device: dict[str, dict[str, int]], host: dict[str, int], budget: int):
     """Two panels: per-run device bytes stacked by category with the budget line; host bytes."""
     from matplotlib.figure import Figure
-
-    from helpers.plots import CATEGORY_COLORS, STEP_CATEGORIES, category_labels
 
     fig = Figure(figsize=(10, 4.5), layout="constrained")
     left, right = fig.subplots(1, 2, sharey=True)

@@ -14,8 +14,11 @@ from dataclasses import replace
 import torch
 from matplotlib.figure import Figure
 
+from helpers.hardware import hardware_report
 from helpers.plots import category_labels
 from helpers.results import Record
+from helpers.timing import time_fn
+from helpers.train import Trainee
 
 FP32_EPS = torch.finfo(torch.float32).eps  # 2**-23: the spacing of fp32 numbers near 1
 
@@ -103,10 +106,6 @@ def error_bars(errors: dict[str, float], tolerance: float, title: str = "") -> F
 
 def throughput(cfg) -> Record:
     """Samples/s of ``cfg`` from untracked steps only (no memory view): a quicker ``measure``."""
-    from helpers.hardware import hardware_report
-    from helpers.timing import time_fn
-    from helpers.train import Trainee
-
     t0 = time.perf_counter()
     trainee = Trainee(replace(cfg, flops=False))
     timing = time_fn(trainee.step, trainee.device, warmup=max(1, cfg.warmup), repeats=cfg.repeats)

@@ -13,9 +13,12 @@ from matplotlib.figure import Figure
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
+from helpers.isolate import call_isolated
 from helpers.memory import CategoryPeaks, CategoryTracker
-from helpers.models import enable_checkpointing
+from helpers.models import disable_checkpointing, enable_checkpointing
 from helpers.plots import legend_outside, plain_ticks
+from helpers.timing import Comparison, Disturbance, time_once
+from helpers.train import Trainee, autocast_context
 
 
 class Block(nn.Module):
@@ -223,8 +226,6 @@ class PairedTimingResult:
         """The rounds as a ``helpers.timing.Comparison``: plain, checkpointed, forward, and
         "extra" (checkpointed minus plain, round by round), for claims on per-round ratios.
         A claim it decides the wrong way is measured again in a fresh process (``again``)."""
-        from helpers.isolate import call_isolated
-        from helpers.timing import Comparison
 
         def pairs(indices) -> dict[str, list[float]]:
             plain = [self.every_plain[i] for i in indices]
@@ -251,10 +252,6 @@ def paired_step_times(cfg, repeats: int = 20) -> PairedTimingResult:
     Steps alternate in ABBA order so that a slow drift of the machine (other processes,
     clock changes) weighs on both alike; the per-pair ratio then cancels most of it.
     """
-    from helpers.models import disable_checkpointing
-    from helpers.timing import Disturbance, time_once
-    from helpers.train import Trainee, autocast_context
-
     trainee = Trainee(replace(cfg, gradient_checkpointing=False))
     model, device = trainee.model, trainee.device
 

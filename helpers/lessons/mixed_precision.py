@@ -14,9 +14,11 @@ from dataclasses import dataclass
 import torch
 from matplotlib.figure import Figure
 
+from helpers import isolate
+from helpers.models import build_model, load_config
 from helpers.names import MiB
 from helpers.progress import progress
-from helpers.train import TrainResult, train_markov
+from helpers.train import TrainResult, train_markov, train_step
 
 # name: (exponent bits, explicit mantissa bits); one sign bit on top.
 FORMAT_BITS = {"fp32": (8, 23), "tf32": (8, 10), "fp16": (5, 10), "bf16": (8, 7)}
@@ -118,8 +120,6 @@ def cpu_16bit_sentence(flags: Mapping[str, bool] | None) -> str:
 
 def linear_params(model: str) -> int:
     """Weights and biases of the nn.Linear layers of a bundled model (built on the meta device)."""
-    from helpers.models import build_model, load_config
-
     with torch.device("meta"):
         net = build_model(load_config(model), device="meta")
     return sum(
@@ -138,9 +138,7 @@ def peak_phase(memory: Mapping) -> str:
 
 def measure_series(cfgs: Sequence) -> list:
     """``helpers.train.measure`` of each RunConfig in turn, in this process; OOM comes back."""
-    from helpers.isolate import run
-
-    return [run(cfg, isolate=False) for cfg in progress(cfgs, "memory runs")]
+    return [isolate.run(cfg, isolate=False) for cfg in progress(cfgs, "memory runs")]
 
 
 def markov_runs(cfgs: Sequence, steps: int) -> list[TrainResult]:
@@ -157,8 +155,6 @@ def scaler_trace(
     changed, and the scale after it. Under fp16 autocast the scaled bias gradient overflows
     once the scale reaches 2^16 (65536 > 65504, fp16's largest value).
     """
-    from helpers.train import train_step
-
     torch.manual_seed(0)
     net = torch.nn.Linear(16, 16).to(device)
     sgd = torch.optim.SGD(net.parameters(), lr=1e-3)

@@ -29,11 +29,29 @@ import torch
 from matplotlib.figure import Figure
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from helpers.estimator import Estimate
+from helpers import isolate
+from helpers.compat import is_checkpointing
+from helpers.data import MarkovTask
+from helpers.device import allocation_bytes, gpu_info, is_cuda, resolve
+from helpers.estimator import Estimate, describe_model, estimate_run
+from helpers.isolate import call_isolated
+from helpers.memory import CategoryTracker, allocator_peaks, reset_device_peaks
+from helpers.memory_savers import ChunkedCausalLMLoss, causal_targets
+from helpers.models import build_model, disable_checkpointing, enable_checkpointing, load_config
 from helpers.names import MiB
 from helpers.plots import category_labels, legend_outside
-from helpers.timeline import Timeline
-from helpers.train import RunConfig, Trainee, model_loss, train_step
+from helpers.progress import progress
+from helpers.results import Record
+from helpers.timeline import Timeline, measure_timeline
+from helpers.timing import train_flops
+from helpers.train import (
+    RunConfig,
+    Trainee,
+    autocast_context,
+    make_optimizer,
+    model_loss,
+    train_step,
+)
 
 # --------------------------------------------------------------------------------------------
 # Section 2: selective checkpointing and offload
@@ -93,9 +111,6 @@ def offloaded_loss(device: torch.device) -> Callable:
 
 def set_checkpointing(model: torch.nn.Module, mode: str) -> None:
     """Switch ``model``'s layers to ``mode``'s checkpointing (none and offload: off)."""
-    from helpers.compat import is_checkpointing
-    from helpers.models import disable_checkpointing, enable_checkpointing
-
     if mode not in CHECKPOINTING:
         raise ValueError(f"unknown setting {mode!r}: use one of {', '.join(CHECKPOINTING)}")
     if mode == "full":
@@ -165,9 +180,6 @@ class CheckpointingResult:
 
 def checkpointing_memory(cfg: RunConfig, mode: str) -> CheckpointingResult:
     """Per-category peaks of one tracked steady-state step of ``cfg`` in setting ``mode``."""
-    from helpers.memory import CategoryTracker
-    from helpers.timing import train_flops
-
     trainee, step = _checkpointing_trainee(cfg, mode)
     packed = packed_bytes(trainee.model, trainee.batch()) if mode == "offload" else 0
     for _ in range(max(1, cfg.warmup)):  # the first step creates the optimizer state
@@ -288,8 +300,6 @@ class CheckpointingStudy:
     def time(self, claims, rounds: int = 5, max_rounds: int = 20):
         """The four settings' steps timed in interleaved rounds, one long-lived process each
         (rounds are added while any claim is undecided): a ``helpers.timing`` comparison."""
-        from helpers import isolate
-
         n = len(CHECKPOINTING)
         return isolate.compare_benches(
             {mode: isolate.bench(checkpointing_step, self.config, mode) for mode in CHECKPOINTING},
@@ -306,9 +316,6 @@ class CheckpointingStudy:
 
 def measure_checkpointing(cfg: RunConfig, device: torch.device) -> CheckpointingStudy:
     """Each setting's memory and FLOPs in a fresh process, then every setting's gradients."""
-    from helpers.isolate import call_isolated
-    from helpers.progress import progress
-
     moves, why = offload_moves(device)
     modes = progress(CHECKPOINTING, "four settings, a fresh process each")
     results = {mode: call_isolated(checkpointing_memory, cfg, mode).unwrap() for mode in modes}
@@ -344,7 +351,7 @@ class PackingConfig:
 def packing_samples(scale) -> int:
     """Section 4's number of samples: twice the scale's batch at the tiny scale; the batch
     itself at the full scale, where the padded batch of 8 x 512 tokens of the decoder in fp32
-    (15 GiB) would not fit a 16 GB card (``helpers.fullscale`` checks the card)."""
+    (15 GiB) would not fit a 16 GB card (``helpers.course.fullscale`` checks the card)."""
     return 2 * scale.batch_size if scale.name == "tiny" else scale.batch_size
 
 
@@ -360,8 +367,6 @@ def sample_lengths(cfg: PackingConfig) -> list[int]:
 
 def markov_samples(cfg: PackingConfig, vocab_size: int) -> list[torch.Tensor]:
     """One walk of the learnable Markov task per length: token ids of varied lengths."""
-    from helpers.data import MarkovTask
-
     task = MarkovTask(n_states=min(64, vocab_size), seed=cfg.seed)
     g = torch.Generator().manual_seed(cfg.seed + 1)
     return [task.sample(1, n, g)[0] for n in sample_lengths(cfg)]
@@ -392,9 +397,6 @@ def predicted_tokens(batch: dict) -> int:
 
 def packing_model(cfg: PackingConfig, use_cache: bool = False) -> torch.nn.Module:
     """The model of ``cfg`` in training mode; packing needs ``use_cache=False`` (section 4)."""
-    from helpers.device import resolve
-    from helpers.models import build_model, load_config
-
     config = load_config(cfg.model)
     config.use_cache = use_cache
     model = build_model(config, cfg.attn, resolve(cfg.device), cfg.seed)
@@ -479,8 +481,6 @@ def packing_step(cfg: PackingConfig, packed: bool) -> Callable[[], float]:
 
 def packing_memory(cfg: PackingConfig, packed: bool) -> dict:
     """Per-category peaks (view 1) of one steady-state training step on either batch."""
-    from helpers.memory import CategoryTracker
-
     model, optimizer, batch = _packing_trainee(cfg, packed)
     train_step(model, optimizer, [batch])  # creates the optimizer state
     tracker = CategoryTracker(device=next(model.parameters()).device)
@@ -501,9 +501,6 @@ class PackingRuns:
 def measure_packing(cfg: PackingConfig, claims=None, timed: bool = True) -> PackingRuns:
     """Both batches' memory in fresh processes; with ``timed``, their steps in interleaved
     rounds, in useful tokens (the samples' own, the same number in both) per second."""
-    from helpers import isolate
-    from helpers.device import resolve
-
     names = ("padded", "packed")
     memory = {name: isolate.call_isolated(packing_memory, cfg, name == "packed").unwrap()
               for name in names}  # fmt: skip
@@ -555,8 +552,6 @@ FP8_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) were the first with fp
 
 def fp8_problem(device: torch.device) -> str | None:
     """Why fp8 training cannot run on ``device`` (a sentence to print), or None when it can."""
-    from helpers.device import gpu_info, is_cuda
-
     need = f"compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer"
     if not is_cuda(device):
         return (f"fp8 training needs an NVIDIA GPU of {need} (L4, RTX 40xx, H100, B200); this "
@@ -708,8 +703,6 @@ class Fp8Run:
 
 def fp8_trainee(cfg: RunConfig, fp8: bool, emulate: bool = False) -> Trainee:
     """A Trainee of ``cfg`` whose converted Linear layers run in float8 when ``fp8``."""
-    from helpers.train import make_optimizer
-
     trainee = Trainee(cfg)
     if fp8:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -727,8 +720,6 @@ def fp8_step(cfg: RunConfig, fp8: bool) -> Callable[[], float]:
 
 def fp8_run(cfg: RunConfig, fp8: bool, steps: int, emulate: bool = False) -> Fp8Run:
     """``steps`` steps on the learnable task, the second one tracked by category."""
-    from helpers.memory import CategoryTracker
-
     trainee = fp8_trainee(replace(cfg, data="markov"), fp8, emulate)
     out = Fp8Run(fp8, emulate and fp8)
     trainee.step()
@@ -757,8 +748,6 @@ def measure_fp8(cfg: RunConfig, steps: int, problem: str | None, device) -> Fp8R
     """Short runs with and without float8, each in a fresh process, and on an fp8 GPU
     (``problem`` None) both steps timed in interleaved rounds. Elsewhere the float8 run is
     torchao's emulation (fp8 casts, fp32 products) against fp32; without torchao, nothing."""
-    from helpers import isolate
-
     reference = "fp32" if problem else "bf16"
     missing = torchao_missing()
     if missing:
@@ -822,8 +811,6 @@ class SaverResult:
         """The results-store Record of this setting: its memory (view 1); time not measured."""
         from dataclasses import replace
 
-        from helpers.results import Record
-
         memory = {**self.timeline.maxima, "peak": self.timeline.peak}
         config = replace(self.config, label=self.label).as_dict()
         return Record(config=config, device=device, n_params=self.predicted.n_params,
@@ -840,9 +827,6 @@ class Savers(dict):
 
 def measure_savers(configs: dict[str, RunConfig]) -> Savers:
     """Each labelled config's timeline (a fresh process each) next to its estimate."""
-    from helpers.estimator import estimate_run
-    from helpers.timeline import measure_timeline
-
     return Savers({label: SaverResult(label, cfg, measure_timeline(cfg), estimate_run(cfg))
                    for label, cfg in configs.items()})  # fmt: skip
 
@@ -865,9 +849,6 @@ def saver_table(results: dict[str, SaverResult]) -> pd.DataFrame:
 def largest_gradient_bytes(model, device: str = "cpu") -> int:
     """Bytes of the largest fp32 gradient of ``model`` (a config name, path or dict), as the
     device's allocator holds it: what the optimizer step inside backward keeps at most."""
-    from helpers.device import allocation_bytes
-    from helpers.estimator import describe_model
-
     info = describe_model(model)
     return allocation_bytes(max(4 * p.numel for p in info.params if p.trainable), device)
 
@@ -922,8 +903,6 @@ _BIG_VOCAB = {
 
 def big_vocab_config(scale: str = "tiny") -> dict:
     """llama-tiny's architecture with Llama 3's 128k vocabulary, at the scale's width."""
-    from helpers.models import load_config
-
     config = load_config("llama-tiny").to_dict()
     config.update(vocab_size=LLAMA3_VOCAB, **_BIG_VOCAB["full" if scale == "full" else "tiny"])
     return json.loads(json.dumps(config))  # plain JSON values: a RunConfig travels to processes
@@ -931,9 +910,6 @@ def big_vocab_config(scale: str = "tiny") -> dict:
 
 def loss_pair(cfg: RunConfig, chunk: int) -> tuple[float, float]:
     """The model's own loss and the chunked loss on the same batch."""
-    from helpers.memory_savers import ChunkedCausalLMLoss
-    from helpers.train import autocast_context
-
     trainee = Trainee(cfg)
     batch = trainee.batch()
     with torch.no_grad(), autocast_context(cfg.precision, trainee.device):
@@ -956,9 +932,6 @@ def fused_loss_skip(device: torch.device) -> str:
 def fused_loss_peak(cfg: RunConfig) -> int:
     """Peak allocated bytes (CUDA) of a step whose loss is Liger's fused linear cross-entropy."""
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-    from helpers.memory import allocator_peaks, reset_device_peaks
-    from helpers.memory_savers import causal_targets
 
     trainee = Trainee(cfg)
     loss_fn = LigerFusedLinearCrossEntropyLoss()
@@ -1000,8 +973,6 @@ def chunked_loss_facts(cfg: RunConfig, chunk: int, device: torch.device) -> Chun
 
 def step_flops(cfg: RunConfig) -> int:
     """FLOPs of one training step of ``cfg`` (counted by torch's FlopCounterMode)."""
-    from helpers.timing import train_flops
-
     trainee = Trainee(cfg)
     trainee.step()  # the optimizer state exists, as in every measured step
     return train_flops(trainee.step)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from helpers.models import parse_targets, task_kind
+from helpers.models import load_config, parse_targets, task_kind
 
 
 def target_names(model: torch.nn.Module, targets: str = "") -> list[str]:
@@ -55,8 +55,6 @@ def rank_for(model: torch.nn.Module, n_adapter: float, targets: str = "") -> int
 def meta_model(config):
     """The model for ``config`` (name, path, dict or config) on the meta device: no storage."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from helpers.models import load_config
 
     config = config if hasattr(config, "model_type") else load_config(config)
     auto = (

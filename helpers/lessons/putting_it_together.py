@@ -20,8 +20,9 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
-from helpers.hardware import precision_problem
+from helpers.hardware import REFERENCE_CARDS, precision_problem
 from helpers.names import MiB
+from helpers.planner import OUTCOMES, card_precisions, plan_for_card
 from helpers.plots import legend_outside, separate_labels
 from helpers.results import Record
 from helpers.train import RunConfig
@@ -151,14 +152,12 @@ def latest_records(records: list[Record], lesson: str = "14") -> dict[str, Recor
 def search_table(outcomes, examples: int = 2):
     """The planner's search grouped by what happened to each candidate (a DataFrame).
 
-    ``outcomes``: ``helpers.estimator.plan.search_outcomes(plan, candidates)``. One group per
-    outcome (``helpers.estimator.plan.OUTCOMES``), in the order the search reaches them, its
+    ``outcomes``: ``helpers.planner.search_outcomes(plan, candidates)``. One group per
+    outcome (``helpers.planner.OUTCOMES``), in the order the search reaches them, its
     size in the index; ``examples`` rows of each of the large groups (the cheapest predicted
     first), every row of the measured ones.
     """
     import pandas as pd
-
-    from helpers.estimator.plan import OUTCOMES
 
     rows = []
     for outcome in OUTCOMES:
@@ -240,7 +239,7 @@ SHORT = {
 # Section 7: your model. Real configs on cards that are not here, estimates only.
 
 YOUR_MODELS = ("qwen3-0.6b", "llama-3.2-1b")  # bundled real configs: a traced and an analytical
-YOUR_CARDS = ("t4", "l4")  # 16 GB (no bf16) and 24 GB (helpers.fullscale.REFERENCE_CARDS)
+YOUR_CARDS = ("t4", "l4")  # 16 GB (no bf16) and 24 GB (helpers.hardware.REFERENCE_CARDS)
 YOUR_SEQ_LEN = 1024
 YOUR_BATCH = 2  # effective batch: micro-batches 1 or 2 (each a trace per setting: time)
 LORA_R = 16  # LoRA rank on every Linear of the layers ("all-linear"), as in the QLoRA paper
@@ -249,17 +248,12 @@ LORA_R = 16  # LoRA rank on every Linear of the layers ("all-linear"), as in the
 def your_model_space(card) -> dict:
     """The search: the card's 16-bit precision, SDPA, with or without checkpointing, AdamW
     or 8-bit AdamW (optimizers are free; each other choice costs one trace)."""
-    from helpers.estimator.plan import card_precisions
-
     half = "bf16" if "bf16" in card_precisions(card) else "fp16"
     return {"precisions": (half,), "attentions": ("sdpa",), "optimizers": ("adamw", "adamw8bit")}
 
 
 def your_model_plans(models=YOUR_MODELS, cards=YOUR_CARDS, methods=("full", "lora", "qlora")):
     """``plan_for_card`` for every model, card and method, keyed by those three."""
-    from helpers.estimator.plan import plan_for_card
-    from helpers.fullscale import REFERENCE_CARDS
-
     plans = {}
     for model in models:
         for name in cards:

@@ -23,6 +23,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers.device import bf16_native, gpu_info, is_cuda
+from helpers.memory import CategoryTracker, allocator_baseline, allocator_growth
+from helpers.plots import legend_outside, lines
+from helpers.progress import progress
+from helpers.timing import compare_calls
+
 if TYPE_CHECKING:
     from helpers.timing import Comparison
 
@@ -154,8 +160,6 @@ def attention_dtype(device) -> torch.dtype:
 
     The CUDA flash and memory-efficient kernels need 16 bits, and refuse bf16 below sm80.
     """
-    from helpers.device import bf16_native, is_cuda
-
     if is_cuda(device):
         return torch.bfloat16 if bf16_native(device) else torch.float16
     return torch.float32
@@ -205,8 +209,6 @@ def layer_memory(name: str, layer: AttentionLayerConfig, seq: int) -> LayerMemor
     add a constant to the smallest sizes and bend the fitted slope. The allocator's number is
     then measured from the baseline after it.
     """
-    from helpers.memory import CategoryTracker, allocator_baseline, allocator_growth
-
     device = torch.device(layer.device)
     q, k, v, grad = layer.qkv(seq)
     inputs = sum(t.numel() * t.element_size() for t in (q, k, v, grad))
@@ -242,8 +244,6 @@ def layer_memories(
     A fresh tracker per length makes each number exact on its own, and no other
     implementation's cached buffers share the process.
     """
-    from helpers.progress import progress
-
     return [layer_memory(name, layer, s) for s in progress(seqs, f"{name} memory", unit="length")]
 
 
@@ -262,9 +262,6 @@ def layer_time_rounds(
     slow spell of the machine hits every implementation alike. ``claims`` are decided at the
     longest length (more rounds while undecided).
     """
-    from helpers.progress import progress
-    from helpers.timing import compare_calls
-
     device = torch.device(layer.device)
     out = {}
     for seq in progress(seqs, "timing lengths", unit="length"):
@@ -341,8 +338,6 @@ def flash_attn_2_problem(device) -> str | None:
     """None when transformers can use the flash-attn package here, else why not."""
     from transformers.utils import is_flash_attn_2_available
 
-    from helpers.device import gpu_info, is_cuda
-
     device = torch.device(device)
     if not is_cuda(device):
         return f"flash_attention_2 needs an NVIDIA GPU; this is {device.type}"
@@ -362,8 +357,6 @@ def power_law_figure(xs, series: dict, ylabel: str, title: str = "", ranges: dic
     ``ranges``: per series, (low, high) per point, drawn as error bars (for times: the slowest
     and the fastest of the rounds).
     """
-    from helpers.plots import legend_outside, lines
-
     fig = lines(xs, series, "sequence length s", ylabel, title, logy=True, ranges=ranges)
     fig.set_size_inches(7.5, 4)
     ax = fig.axes[0]

@@ -7,9 +7,10 @@ measured one, and the remedy each category at an out-of-memory error points to.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from helpers.names import MiB
+from helpers.plots import short_module
 from helpers.timeline import Timeline, _blocks, align, measure_timeline, predicted_timeline
 from helpers.train import RunConfig
 
@@ -67,8 +68,6 @@ class PeakMatch:
 
 def grid_config(base: RunConfig, setting: dict, half: str) -> RunConfig:
     """``base`` with a GRID setting applied ("half" is the device's 16-bit format)."""
-    from dataclasses import replace
-
     changes = {k: (half if v == "half" else v) for k, v in setting.items()}
     return replace(base, **changes)
 
@@ -110,16 +109,12 @@ def phase_values(t: Timeline, category: str, phase: str, micro: int | None = Non
 
 def short_where(where: str) -> str:
     """ "backward: LlamaForCausalLM.model.layers.0.mlp" -> "backward: model.layers.0.mlp"."""
-    from helpers.plots import short_module
-
     phase, _, module = where.partition(": ")
     return f"{phase}: {short_module(module)}" if module else phase
 
 
 def fix_for(cfg: RunConfig, category: str) -> tuple[str, RunConfig]:
     """The technique ``FIXES`` names for ``category``, and ``cfg`` with it applied."""
-    from dataclasses import replace
-
     name, changes = FIXES.get(category, FIXES["activations"])
     return name, replace(cfg, **changes)
 

@@ -28,7 +28,18 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from helpers.timing import Comparison
+from helpers.device import resolve
+from helpers.isolate import call_isolated
+from helpers.plots import plain_ticks
+from helpers.timing import (
+    Comparison,
+    compare_calls,
+    interleave,
+    synchronize,
+    time_once,
+    train_flops,
+)
+from helpers.train import train_step  # at call time: importing transformers costs ~1.6 s
 
 # -------------------------------------------------------------------------------------------
 # Seeing what dynamo captures
@@ -269,9 +280,6 @@ def fusion_profile(
     and the largest deviation of the compiled output from eager. For a fresh process;
     ``prepare=False`` when ``prepare_compiler`` already ran in it.
     """
-    from helpers.device import resolve
-    from helpers.timing import compare_calls
-
     dev = resolve(device)
     if prepare:
         prepare_compiler(dev)
@@ -304,8 +312,6 @@ def fusion_profile(
 
 def _first_call_s(fn: Callable, x: torch.Tensor, device: torch.device) -> float:
     """Seconds of ``fn(x)`` up to the device's having finished it (a first call compiles)."""
-    from helpers.timing import synchronize
-
     start = time.perf_counter()
     fn(x)
     synchronize(device)
@@ -443,7 +449,6 @@ class StepProfileResult:
 
     def _pooled(self, names: dict[str, list[tuple[Comparison, str]]], pick) -> Comparison:
         """One Comparison of ``names``, each the rounds of (phase, copy) pairs end to end."""
-        from helpers.isolate import call_isolated
 
         def again() -> Comparison:
             return pick(call_isolated(step_profile, self.config).unwrap())
@@ -492,8 +497,6 @@ class _Copies:
 
     def step(self, name: str, keep: bool = False) -> None:
         """The base training step of copy ``name``; ``keep``: keep its loss and gradients."""
-        from helpers.train import train_step  # at call time: importing transformers costs ~1.6 s
-
         on_gradients = (lambda: self._keep_gradients(name)) if keep else None
         loss = train_step(
             self.models[name], self.optimizers[name], [self.x],
@@ -518,9 +521,6 @@ def step_profile(config: StepProfileConfig) -> StepProfileResult:
     then compiled after clearing every in-memory compiler cache, so that only inductor's disk
     cache carries over (copy ``"inductor, warm"``). For a fresh process.
     """
-    from helpers.device import resolve
-    from helpers.timing import train_flops
-
     dev = resolve(config.device)
     prepare_s = prepare_compiler(dev)
     if config.cache_dir:
@@ -560,8 +560,6 @@ def _first_steps(
     copies: _Copies, names: Sequence[str], output_code: bool, device: torch.device
 ) -> tuple[dict[str, float], list[KernelsResult]]:
     """Each copy's first step timed alone, loss and gradients kept; and inductor's kernels."""
-    from helpers.timing import time_once
-
     first_s: dict[str, float] = {}
     code: list[KernelsResult] = []
     for name in names:
@@ -582,8 +580,6 @@ def _steady_steps(copies: _Copies, names: Sequence[str], config: StepProfileConf
     """``warmup`` untimed steps of each copy, then ``repeats`` timed rounds in rotating order
     (``helpers.timing.interleave``: a round other processes disturbed is left out and another
     run, up to twice as many); the rounds as a ``Comparison``."""
-    from helpers.timing import interleave, time_once
-
     for _ in range(config.warmup):
         for name in names:
             copies.step(name)
@@ -658,8 +654,6 @@ def break_even_figure(costs: dict[str, tuple[float, float]], title: str = ""):
     # The x-range comes from the break-even points: from 1 step to 4 times the last crossing,
     # so every crossing, a few steps or tens of thousands, lies inside, with room after it.
     from matplotlib.figure import Figure
-
-    from helpers.plots import plain_ticks
 
     evens = {k: break_even_steps(extra, saving, 0.0) for k, (extra, saving) in costs.items()}
     found = [n for n in evens.values() if n is not None]

@@ -18,6 +18,7 @@ prints them):
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import re
 from collections.abc import Callable
@@ -25,11 +26,17 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, is_cuda, present
+from helpers import train
+from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, is_cuda, present, resolve
 from helpers.estimator import Estimate, describe_model, estimate
-from helpers.memory import CategoryTracker
+from helpers.hardware import REFERENCE_CARDS, precision_problem
+from helpers.isolate import call_isolated, compare_runs
+from helpers.memory import CategoryTracker, memory_budget
 from helpers.names import ATTENTION, AUTOCAST, PRECISIONS, GiB, KiB, MiB, TiB, human_bytes
 from helpers.progress import progress
+from helpers.scale import get_scale
+from helpers.timing import Claim
+from helpers.train import RunConfig
 
 DEFAULT_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")  # SGD is not a drop-in for transformers
 GC_COST = 4 / 3  # checkpointing repeats the forward: (1 + 1 + 2) / (1 + 2) of a step's FLOPs
@@ -91,10 +98,10 @@ class Candidate:
         ] + (["checkpointing"] if self.gradient_checkpointing else [])
         return ", ".join(parts)
 
-    def run_config(self, model, seq_len: int, device: str | None = None, **extra):
-        """The ``helpers.train.RunConfig`` that trains this candidate."""
-        from helpers.train import RunConfig
-
+    def run_config(self, model, seq_len: int, device: str | None = None, **extra) -> RunConfig:
+        """The ``helpers.train.RunConfig`` that trains this candidate: its own settings, and
+        RunConfig's defaults (not a scale's warm-up and repeats, as ``Scale.run_config``'s)
+        for what ``extra`` leaves open."""
         return RunConfig(
             model=model,
             batch_size=self.micro_batch,
@@ -165,8 +172,6 @@ def _divisors(n: int) -> list[int]:
 
 def available_precisions(device: torch.device) -> list[str]:
     """Precisions ``device`` can train in (all of them when it is not here to be asked)."""
-    from helpers.hardware import precision_problem
-
     if not present(device):
         return list(PRECISIONS)
     return [p for p in PRECISIONS if precision_problem(p, device) is None]
@@ -174,8 +179,6 @@ def available_precisions(device: torch.device) -> list[str]:
 
 def available_optimizers(names=DEFAULT_OPTIMIZERS) -> list[str]:
     """``names`` minus 8-bit AdamW when bitsandbytes is not installed."""
-    import importlib.util
-
     have_bnb = importlib.util.find_spec("bitsandbytes") is not None
     return [o for o in names if o != "adamw8bit" or have_bnb]
 
@@ -220,8 +223,6 @@ def candidates(
     A traced model takes a second or two per new setting: ``report(done, total)`` is called
     after each estimate; without it a progress bar counts them.
     """
-    from helpers.device import resolve
-
     dev = resolve(device)
     limit = usable_budget(budget, dev)
     precisions = list(precisions or available_precisions(dev))
@@ -272,14 +273,10 @@ def _run(cfg, budget: int | None) -> int:
     On CUDA the whole run is inside the allocator's cap: building the model, the warm-up and
     the tracked step; elsewhere the tracked step enforces the budget.
     """
-    from helpers.device import resolve
-    from helpers.memory import memory_budget
-    from helpers.train import Trainee
-
     device = resolve(cfg.device)
     capped = bool(budget) and is_cuda(device)
     with memory_budget(budget, device=device) if capped else contextlib.nullcontext():
-        trainee = Trainee(cfg)
+        trainee = train.Trainee(cfg)  # through the module: tests stand a fake in
         for _ in range(max(1, cfg.warmup)):  # the optimizer state exists from the first step
             trainee.step()
         tracker = CategoryTracker(budget=None if capped else budget, device=device)
@@ -298,8 +295,6 @@ def measure_candidate(
     isolate: bool = True,
 ) -> CandidateResult:
     """Run a candidate, tracking one step's peak under ``budget`` (speed: ``time_candidates``)."""
-    from helpers.isolate import call_isolated
-
     cfg = cand.run_config(model, seq_len, device=device, warmup=1, flops=False)
     if isolate:
         outcome = call_isolated(_run, cfg, budget)
@@ -321,8 +316,6 @@ def time_candidates(measured: list[CandidateResult], model, seq_len: int, device
     slow spell of the machine hits them all alike. Returns the ``Comparison`` (seconds per
     sample), or None when no candidate ran.
     """
-    from helpers.isolate import compare_runs
-
     ok = [m for m in measured if m.ok]
     if not ok:
         return None
@@ -359,9 +352,6 @@ def plan(
     ``checkpointing``; see ``candidates``). Raises ValueError when the budget cannot hold the
     weights alone or the effective batch is not positive.
     """
-    from helpers.device import resolve
-    from helpers.scale import get_scale
-
     dev = resolve(device)
     if effective_batch < 1:
         raise ValueError("the effective batch must be positive")
@@ -493,8 +483,6 @@ def explain(best, runner, cands, budget, measured, timing=None) -> str:
             f"{runner.samples_per_s:.3g} samples/s ({gap:.0f}% slower"
         )
         if timing is not None:
-            from helpers.timing import Claim
-
             claim = Claim(best.candidate.label, "faster", runner.candidate.label)
             if timing.verdict(claim) != "holds":
                 text += "; the rounds overlap, so the two are not separated: more rounds would tell"
@@ -614,14 +602,12 @@ def plan_for_card(
 ) -> CardPlan:
     """The configuration predicted fastest among those estimated to fit ``card``, and why.
 
-    ``card``: a ``helpers.device.GpuInfo`` or a name of ``helpers.fullscale.REFERENCE_CARDS``
+    ``card``: a ``helpers.device.GpuInfo`` or a name of ``helpers.hardware.REFERENCE_CARDS``
     ("t4", "l4", ...). Nothing runs: the estimator's CUDA branch prices every candidate and
     ``predicted_cost`` ranks them (``plan`` measures and times instead, on a device that is
     here). ``method``: one of ``METHODS``; ``space`` narrows the search as in ``candidates``,
     and ``report`` follows it as there.
     """
-    from helpers.fullscale import REFERENCE_CARDS
-
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
     if isinstance(card, str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from helpers.lessons.putting_it_together import SEED_RECIPES
 from helpers.results import Record
 
 GUIDE = "https://huggingface.co/docs/transformers/perf_train_gpu_one"
@@ -113,8 +114,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def rows(records: list[Record]) -> list[CheatRow]:
     """The sheet's rows from a results store's records."""
-    from helpers.lessons.putting_it_together import SEED_RECIPES
-
     v100 = {r.label: r for r in SEED_RECIPES}
     out = []
     for m in METHODS:

@@ -8,9 +8,9 @@ attention, an oversized model for ZeRO. Whether that fits depends on the card: a
 - lists the experiments of every lesson at a scale (``lesson_experiments``), each with the
   device memory the estimator's CUDA branch predicts for it and what else is on the card
   meanwhile (the notebook's own CUDA context and the tensors it keeps);
-- fits the scale to a card (``fit_scale``): the budget, the largest batch of the sweeps and
-  lesson 10's long sequence are the largest that fit, and a card too small for the guides'
-  experiment gets the tiny scale, with the reason;
+- uses the scale fitted to a card (``helpers.scale.fit_scale``, where the scale is chosen): the
+  budget, the largest batch of the sweeps and lesson 10's long sequence are the largest that
+  fit, and a card too small for the guides' experiment gets the tiny scale, with the reason;
 - tabulates per lesson what fits, what was adapted and what the card skips (``fit_table``,
   printed by ``python -m helpers fit`` and in README's hardware notes).
 
@@ -24,28 +24,18 @@ This list mirrors the notebooks: a lesson that adds an experiment at the full sc
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, replace
-from functools import cache
+from dataclasses import dataclass, field
 
 from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, GpuInfo
-from helpers.names import ATTENTION, GiB, MiB
-from helpers.scale import FULL, TINY, Scale
+from helpers.estimator import estimate_per_rank
+from helpers.hardware import REFERENCE_CARDS
+from helpers.lessons.deepspeed_zero import layer_counts, oversized_config
+from helpers.lessons.mixture_of_experts import pair_for
+from helpers.lessons.more_memory import big_vocab_config, packing_samples
+from helpers.lessons.putting_it_together import SEED_RECIPES
+from helpers.names import ATTENTION, GiB
+from helpers.scale import FULL, Scale, cuda_estimate, fit_scale, model_info
 
-BUDGET_STEP = 512 * MiB  # a fitted budget is a whole number of half-GiBs
-# Cards the course is checked against, as torch reports them (memory is what the driver leaves
-# to processes, a little under the nominal size). tests/fake_gpu.py fakes these cards.
-REFERENCE_CARDS = {
-    "t4": GpuInfo("Tesla T4", 15_828_320_256, (7, 5), 40, ""),
-    "v100": GpuInfo("Tesla V100-SXM2-16GB", 16_935_419_904, (7, 0), 80, ""),
-    "a10g": GpuInfo("NVIDIA A10G", 23_609_475_072, (8, 6), 80, ""),
-    "l4": GpuInfo("NVIDIA L4", 23_580_639_232, (8, 9), 58, ""),
-    "a100-40": GpuInfo("NVIDIA A100-SXM4-40GB", 42_505_273_344, (8, 0), 108, ""),
-    "a100-80": GpuInfo("NVIDIA A100-SXM4-80GB", 85_089_058_816, (8, 0), 108, ""),
-    "h100": GpuInfo("NVIDIA H100 80GB HBM3", 85_045_870_592, (9, 0), 132, ""),
-    "a100-mig": GpuInfo("NVIDIA A100-SXM4-80GB MIG 1g.10gb", 10_468_982_784, (8, 0), 14, ""),
-}
-LONG_SEQS = (2048, 1024, 512)  # lesson 10's whole-model sequence lengths, longest first
 LESSONS = tuple(f"{i:02d}" for i in range(18))
 
 
@@ -94,31 +84,9 @@ class Experiment:
 # The experiments
 
 
-def _info(model, attn: str = "eager"):
-    """The estimator's model description, built once per model (dict configs by content)."""
-    key = json.dumps(model, sort_keys=True) if isinstance(model, dict) else model
-    return _described(key, attn)
-
-
-@cache
-def _described(key: str, attn: str):
-    from helpers.estimator import describe_model
-
-    return describe_model(json.loads(key) if key.startswith("{") else key, attn)
-
-
-def _estimate(model, b: int, s: int, precision="fp32", optimizer="adamw", gc=False, attn="eager",
-              ga=1, **savers):  # fmt: skip
-    """The estimator's CUDA numbers; ``savers``: lesson 16's (optimizer_in_backward, loss_chunk)."""
-    from helpers.estimator import estimate
-
-    return estimate(_info(model, attn), b, s, precision, optimizer, gc, attn, ga, device="cuda",
-                    **savers)  # fmt: skip
-
-
 def _flops(model, tokens: int, steps: int, gc: bool = False) -> float:
     """Rough training FLOPs: 6 per parameter per token (2 forward, 4 backward), x4/3 recomputing."""
-    return 6.0 * _info(model).n_params * tokens * steps * (4 / 3 if gc else 1.0)
+    return 6.0 * model_info(model).n_params * tokens * steps * (4 / 3 if gc else 1.0)
 
 
 @dataclass
@@ -137,14 +105,14 @@ class _Lesson:
     def run(self, label, model, b, s, precision="fp32", optimizer="adamw", gc=False,
             attn="eager", ga=1, steps=None, savers=None, **kw):  # fmt: skip
         """A training run (``helpers.train.measure`` and the like)."""
-        est = _estimate(model, b, s, precision, optimizer, gc, attn, ga, **(savers or {}))
+        est = cuda_estimate(model, b, s, precision, optimizer, gc, attn, ga, **(savers or {}))
         steps = steps or self.scale.warmup + self.scale.repeats + 3  # + tracked, untimed, FLOPs
         flops = _flops(model, b * s * ga, steps, gc)
         self.out.append(Experiment(self.lesson, label, est.peak, flops=flops, **kw))
 
     def forward_backward(self, label, model, b, s, **kw):
         """Forward and backward without an optimizer (gradients, no optimizer state)."""
-        est = _estimate(model, b, s, optimizer="sgd")
+        est = cuda_estimate(model, b, s, optimizer="sgd")
         peak = est.peak - est.optimizer_state
         flops = _flops(model, b * s, self.scale.warmup + self.scale.repeats + 2)
         self.out.append(Experiment(self.lesson, label, peak, flops=flops, **kw))
@@ -154,7 +122,7 @@ class _Lesson:
         self.out.append(Experiment(self.lesson, label, int(nbytes), **kw))
 
     def weights(self, model) -> int:
-        return _estimate(model, 1, 8, optimizer="sgd").params
+        return cuda_estimate(model, 1, 8, optimizer="sgd").params
 
 
 def lesson_experiments(scale: Scale, card: GpuInfo) -> list[Experiment]:
@@ -162,7 +130,7 @@ def lesson_experiments(scale: Scale, card: GpuInfo) -> list[Experiment]:
     out = []
     for lesson in LESSONS:
         x = _Lesson(scale, card, lesson)
-        globals()[f"_lesson_{lesson}"](x)
+        BUILDERS[lesson](x)
         out += x.out
     return out
 
@@ -172,7 +140,7 @@ def _lesson_00(x: _Lesson) -> None:
     x.tensors("4096 x 4096 fp32 matmul", 3 * 4096**2 * 4, where="kernel")
     x.tensors("1 GiB tensor (allocator views)", GiB, where="kernel", held=2 * 4096**2 * 4)
     x.run("encoder step", s.encoder, s.batch_size, s.seq_len)
-    peak = _estimate(s.encoder, s.batch_size, s.seq_len).peak
+    peak = cuda_estimate(s.encoder, s.batch_size, s.seq_len).peak
     x.run("half budget", s.encoder, s.batch_size, s.seq_len, budget=peak // 2, may_fail=True)
 
 
@@ -261,10 +229,10 @@ def _lesson_06(x: _Lesson) -> None:
     s, b, n = x.scale, x.scale.batch_size, x.scale.seq_len
     weights = x.weights(s.encoder)
     states = sum(
-        _estimate(s.encoder, 1, 8, optimizer=o).optimizer_state
+        cuda_estimate(s.encoder, 1, 8, optimizer=o).optimizer_state
         for o in ("adamw", "sgd", "adafactor", "adamw8bit", "adamw8bit")
     )
-    fb = _estimate(s.encoder, b, n, optimizer="sgd")
+    fb = cuda_estimate(s.encoder, b, n, optimizer="sgd")
     # The backward has freed the activations before the optimizers create their state.
     kept = max(fb.peak - fb.optimizer_state, 2 * weights + states)  # weights, grads, states
     x.tensors("every optimizer's state, read back", kept, where="kernel")
@@ -290,11 +258,9 @@ def _lesson_07(x: _Lesson) -> None:
 
 
 def _lesson_08(x: _Lesson) -> None:
-    from helpers.lessons.deepspeed_zero import layer_counts, oversized_config
-
     s = x.scale
     big = oversized_config(s.decoder, s.budget)
-    est = _estimate(big, s.batch_size, s.seq_len)
+    est = cuda_estimate(big, s.batch_size, s.seq_len)
     layer = 4 * layer_counts(big)[1]
     x.run("the oversized model without ZeRO", big, s.batch_size, s.seq_len, may_fail=True,
           depends=("budget",))  # fmt: skip
@@ -310,8 +276,6 @@ def _lesson_08(x: _Lesson) -> None:
 
 
 def _lesson_09(x: _Lesson) -> None:
-    from helpers.lessons.mixture_of_experts import pair_for
-
     s = x.scale
     for name in pair_for(s.name):
         x.run(f"{name}", name, s.batch_size, s.seq_len)
@@ -319,7 +283,7 @@ def _lesson_09(x: _Lesson) -> None:
 
 def _lesson_10(x: _Lesson) -> None:
     s = x.scale
-    d = _info(s.decoder).config
+    d = model_info(s.decoder).config
     heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // heads
     longest = 8 * head_dim * 8
@@ -340,9 +304,9 @@ def _lesson_11(x: _Lesson) -> None:
 
 def _lesson_12(x: _Lesson) -> None:
     s = x.scale
-    fb = _estimate(s.encoder, s.batch_size, s.seq_len, optimizer="sgd")
+    fb = cuda_estimate(s.encoder, s.batch_size, s.seq_len, optimizer="sgd")
     x.tensors("captured encoder forward", fb.params + fb.activations, where="kernel")
-    rows, h = s.batch_size * s.seq_len, _info(s.encoder).config["hidden_size"]
+    rows, h = s.batch_size * s.seq_len, model_info(s.encoder).config["hidden_size"]
     x.tensors("MLP block step, compiled", 40 * rows * h * 4)
     x.tensors("fusion sizes", 6 * 2**26 * 4)
     x.run("Trainer(torch_compile)", s.encoder, s.batch_size, s.seq_len, where="kernel", steps=3)
@@ -357,8 +321,6 @@ def _lesson_13(x: _Lesson) -> None:
 
 
 def _lesson_14(x: _Lesson) -> None:
-    from helpers.lessons.putting_it_together import SEED_RECIPES
-
     s = x.scale
     b = s.batch_size
     for r in SEED_RECIPES:
@@ -390,8 +352,6 @@ def _lesson_15(x: _Lesson) -> None:
 
 
 def _lesson_16(x: _Lesson) -> None:
-    from helpers.lessons.more_memory import big_vocab_config, packing_samples
-
     s, d, b = x.scale, x.scale.decoder, x.scale.batch_size
     quarter = max(1, s.seq_len // 4)  # section 1: batch 1, a quarter of the length
     x.run("step after backward", d, 1, quarter, steps=5)  # tracked, and 3 for same_training
@@ -416,8 +376,6 @@ def _lesson_16(x: _Lesson) -> None:
 def _lesson_17(x: _Lesson) -> None:
     """A card's share: with a GPU per process, each holds one process's step (else the lesson
     runs the tiny scale on CPU processes and nothing here touches the card)."""
-    from helpers.estimator import estimate_per_rank
-
     s, d = x.scale, x.scale.decoder
     x.run("one process, the global batch", d, s.batch_size, s.seq_len)
     for strategy in ("ddp", "fsdp"):
@@ -426,69 +384,27 @@ def _lesson_17(x: _Lesson) -> None:
         x.tensors(f"{strategy} process (a GPU each)", est.peak)
 
 
-# --------------------------------------------------------------------------------------------
-# Fitting the scale to a card
-
-
-def _floor(nbytes: int, step: int = BUDGET_STEP) -> int:
-    return nbytes // step * step
-
-
-def _child_need(peak: int) -> int:
-    """Card bytes for an experiment in a fresh process: two contexts and the allocator margin."""
-    return 2 * ASSUMED_CONTEXT + int(peak * (1 + RESERVE_MARGIN))
-
-
-def fit_scale(card: GpuInfo, forced: bool = False) -> Scale:
-    """The full scale fitted to ``card`` (the tiny scale on a card too small for it).
-
-    The budget is 16 GiB where the card has room for it beside the notebook's CUDA context,
-    else the card less that room; the batch sweeps go to twice the batch only where batch
-    8 of bert-large fits; lesson 10's long sequence is the longest that fits. A card that
-    cannot run the guides' experiment itself gets the tiny scale unless ``forced``.
-    """
-    total, gib = card.total_memory, card.total_memory / GiB
-    name = f"{card.name} ({gib:.1f} GiB)"
-    budget = min(FULL.budget, _floor(total - 2 * ASSUMED_CONTEXT))
-    notes = []
-    if budget < FULL.budget:
-        notes.append(
-            f"budget {budget / GiB:.1f} GiB: the card less room for the notebook's CUDA "
-            f"context (the guides' 16 GB does not fit a {gib:.1f} GiB card)"
-        )
-    base = _estimate(FULL.encoder, FULL.batch_size, FULL.seq_len).peak
-    if _child_need(base) > total:
-        reason = (
-            f"{name} is too small for the guides' experiment (bert-large, batch 4 x 512, fp32 "
-            f"AdamW: {_child_need(base) / GiB:.1f} GiB with the CUDA contexts)"
-        )
-        if not forced:
-            return replace(TINY, card=name, notes=(f"tiny scale on the GPU: {reason}",))
-        notes.append(f"COURSE_SCALE=full forced: {reason}; expect out-of-memory records")
-    double = 2 * FULL.batch_size
-    needs = [_estimate(m, double, FULL.seq_len).peak for m in (FULL.encoder, FULL.decoder)]
-    max_batch = double if _child_need(max(needs)) <= total else FULL.batch_size
-    if max_batch < double:
-        notes.append(
-            f"batch sweeps stop at {max_batch}: batch {double} of {FULL.encoder} needs "
-            f"{_child_need(max(needs)) / GiB:.1f} GiB"
-        )
-    precision = "bf16" if card.capability >= (8, 0) else "fp32"
-    b10 = max(1, FULL.batch_size // 2)
-    fitting = [
-        q for q in LONG_SEQS
-        if _child_need(_estimate(FULL.decoder, b10, q, precision).peak) <= total
-    ]  # fmt: skip
-    long_seq = fitting[0] if fitting else LONG_SEQS[-1]
-    if long_seq < LONG_SEQS[0]:
-        need = _child_need(_estimate(FULL.decoder, b10, LONG_SEQS[0], precision).peak)
-        notes.append(
-            f"lesson 10 compares attention at {long_seq} tokens: {LONG_SEQS[0]} with eager "
-            f"attention needs {need / GiB:.1f} GiB"
-        )
-    return replace(
-        FULL, budget=budget, max_batch=max_batch, long_seq=long_seq, card=name, notes=tuple(notes)
-    )
+# Each lesson's experiments, by lesson number: one builder per notebook.
+BUILDERS = {
+    "00": _lesson_00,
+    "01": _lesson_01,
+    "02": _lesson_02,
+    "03": _lesson_03,
+    "04": _lesson_04,
+    "05": _lesson_05,
+    "06": _lesson_06,
+    "07": _lesson_07,
+    "08": _lesson_08,
+    "09": _lesson_09,
+    "10": _lesson_10,
+    "11": _lesson_11,
+    "12": _lesson_12,
+    "13": _lesson_13,
+    "14": _lesson_14,
+    "15": _lesson_15,
+    "16": _lesson_16,
+    "17": _lesson_17,
+}
 
 
 # --------------------------------------------------------------------------------------------

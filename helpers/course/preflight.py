@@ -4,7 +4,7 @@ For a workshop host, before the workshop, on the room's hardware. Each feature i
 in a fresh process (a CUDA error or a crash in one cannot take the others down) and a table
 says whether it works, was skipped (and why) or fails (with its one-line error), next to the
 lessons that need it. It ends with a rough time per lesson at the full scale on this device:
-the training FLOPs of each lesson's experiments (``helpers.fullscale``) over the training
+the training FLOPs of each lesson's experiments (``helpers.course.fullscale``) over the training
 throughput measured here, plus a few seconds per experiment for starting its process.
 
 The checks are split in two: ``why_skip`` decides from the device's properties alone whether
@@ -19,7 +19,28 @@ from dataclasses import dataclass, field
 import torch
 
 from helpers import device as dev
+from helpers.course.fullscale import lesson_experiments
+from helpers.hardware import hardware_report
+from helpers.isolate import call_isolated
+from helpers.lessons import beyond_one_gpu
+from helpers.lessons.deepspeed_zero import ZeroConfig, measure_zero
+from helpers.lessons.mixed_precision import cpu_16bit_instructions
+from helpers.lessons.more_memory import (
+    big_vocab_config,
+    fp8_problem,
+    fp8_run,
+    fused_loss_peak,
+    fused_loss_skip,
+)
+from helpers.lessons.sdpa_flash_attention import attention_dtype, backend_problem
+from helpers.lessons.torch_compile import reset_dynamo
+from helpers.memory import memory_budget
+from helpers.models import load_config
 from helpers.names import GiB, MiB
+from helpers.profiling import profile_step
+from helpers.scale import FULL, TINY, fit_scale, get_scale
+from helpers.timing import time_fn, train_flops
+from helpers.train import RunConfig, Trainee
 
 STARTUP_S = 5.0  # per experiment: a fresh process, the model built, the first steps' extra cost
 
@@ -85,8 +106,6 @@ def why_skip(check: str, device: torch.device) -> str | None:
 
 
 def _budget_cap(device: str) -> str:
-    from helpers.memory import memory_budget
-
     d = dev.resolve(device)
     budget = 2 * GiB if dev.is_cuda(d) else 64 * MiB
     with memory_budget(budget, device=d) as capped:
@@ -162,9 +181,6 @@ def _profiler_trace(device: str) -> str:
     import tempfile
     from pathlib import Path
 
-    from helpers.profiling import profile_step
-    from helpers.train import RunConfig, Trainee
-
     trainee = Trainee(RunConfig(device=device))
     with tempfile.TemporaryDirectory() as folder:
         result = profile_step(trainee.step, trainee.device, Path(folder) / "step.json")
@@ -175,8 +191,6 @@ def _profiler_trace(device: str) -> str:
 
 
 def _train_steps(device: str, precision: str, optimizer: str = "adamw", steps: int = 3) -> float:
-    from helpers.train import RunConfig, Trainee
-
     trainee = Trainee(RunConfig(precision=precision, optimizer=optimizer, device=device))
     trainee.step()
     start = time.perf_counter()
@@ -196,8 +210,6 @@ def _bf16(device: str) -> str:
     d = dev.resolve(device)
     note = ""
     if d.type == "cpu":
-        from helpers.lessons.mixed_precision import cpu_16bit_instructions
-
         flags = cpu_16bit_instructions()
         if flags and not flags["bf16"]:
             note = " (this CPU has no bf16 instructions: slower than fp32)"
@@ -207,8 +219,6 @@ def _bf16(device: str) -> str:
 
 
 def _tf32(device: str) -> str:
-    from helpers.timing import time_fn
-
     d = dev.resolve(device)
     a, b = torch.randn(4096, 4096, device=d), torch.randn(4096, 4096, device=d)
     times = {}
@@ -220,8 +230,6 @@ def _tf32(device: str) -> str:
 
 
 def _sdpa(device: str, backend: str) -> str:
-    from helpers.lessons.sdpa_flash_attention import attention_dtype, backend_problem
-
     d = dev.resolve(device)
     dtype = attention_dtype(d)
     problem = backend_problem(backend, d, dtype)
@@ -247,15 +255,12 @@ def _deepspeed(device: str) -> str:
 
     if importlib.util.find_spec("deepspeed") is None:
         return "skipped: deepspeed is not installed (pip install deepspeed)"
-    from helpers.lessons.deepspeed_zero import ZeroConfig, measure_zero
 
     rec = measure_zero(ZeroConfig(model="llama-tiny", stage=3, warmup=1, repeats=1, device=device))
     return f"ZeRO-3 with parameter and optimizer offload to the CPU: {rec.step_time:.2f} s per step"
 
 
 def _compile(device: str) -> str:
-    from helpers.lessons.torch_compile import reset_dynamo
-
     d = dev.resolve(device)
     net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
     net = net.to(d)
@@ -284,11 +289,6 @@ def _dataloader(device: str, pin: bool = False) -> str:
 
 def _throughput(device: str) -> dict:
     """Training FLOP/s of the full scale's encoder here (fp32, counted FLOPs / measured time)."""
-    from helpers.models import load_config
-    from helpers.scale import FULL
-    from helpers.timing import time_fn, train_flops
-    from helpers.train import RunConfig, Trainee
-
     d = dev.resolve(device)
     model, detail = FULL.encoder, FULL.encoder
     if not dev.is_cuda(d):
@@ -306,9 +306,6 @@ def _throughput(device: str) -> dict:
 
 
 def _fp8(device: str) -> str:
-    from helpers.lessons.more_memory import fp8_problem, fp8_run
-    from helpers.train import RunConfig
-
     d = dev.resolve(device)
     problem = fp8_problem(d)
     if problem:
@@ -319,9 +316,6 @@ def _fp8(device: str) -> str:
 
 
 def _fused_loss(device: str) -> str:
-    from helpers.lessons.more_memory import big_vocab_config, fused_loss_peak, fused_loss_skip
-    from helpers.train import RunConfig
-
     d = dev.resolve(device)
     skip = fused_loss_skip(d)
     if skip:
@@ -333,11 +327,9 @@ def _fused_loss(device: str) -> str:
 def _two_processes(device: str) -> str:
     from dataclasses import replace
 
-    from helpers.lessons.beyond_one_gpu import launch, lesson_config
-    from helpers.scale import TINY
-
-    cfg, placement = lesson_config(TINY)
-    result = launch(replace(cfg, strategy="ddp", launcher="torchrun"))
+    cfg, placement = beyond_one_gpu.lesson_config(TINY)
+    # beyond_one_gpu.launch, read at the call: tests/test_preflight.py stands a fake in.
+    result = beyond_one_gpu.launch(replace(cfg, strategy="ddp", launcher="torchrun"))
     where = f"{placement.backend} on {placement.device.type}"
     return f"{len(result.ranks)} DDP processes under torchrun, {where}, {result.wall_s:.0f} s"
 
@@ -383,11 +375,6 @@ def run_preflight(
     which no check starts; those left are "skipped" with the reason (``make gpu-check``'s
     deadline). ``throughput=False`` leaves out the throughput and the minutes per lesson.
     """
-    from helpers.fullscale import fit_scale, lesson_experiments
-    from helpers.hardware import hardware_report
-    from helpers.isolate import call_isolated
-    from helpers.scale import FULL, get_scale
-
     d = dev.resolve(device)
     report = hardware_report(d)
     result = PreflightResult(str(d), report.name, get_scale(device=d).describe(d))

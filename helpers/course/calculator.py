@@ -61,7 +61,7 @@ class CalculatorSetting:
     lora_r: int = 0  # 0: full fine-tuning
     qlora: bool = False  # LoRA on 4-bit frozen weights
     attn: str = "eager"
-    card: str = "t4"  # a key of helpers.fullscale.REFERENCE_CARDS
+    card: str = "t4"  # a key of helpers.hardware.REFERENCE_CARDS
     lora_targets: str = ""  # as RunConfig.lora_targets ("": peft's default modules)
 
     @property
@@ -102,8 +102,8 @@ def bundled_models() -> list[str]:
 
 
 def reference_cards() -> dict[str, GpuInfo]:
-    """The cards the calculator offers: ``helpers.fullscale.REFERENCE_CARDS``."""
-    from helpers.fullscale import REFERENCE_CARDS
+    """The cards the calculator offers: ``helpers.hardware.REFERENCE_CARDS``."""
+    from helpers.hardware import REFERENCE_CARDS
 
     return REFERENCE_CARDS
 
@@ -135,7 +135,7 @@ class CalculatorResult:
 
     setting: CalculatorSetting
     card: GpuInfo
-    usable: int  # what the peak may use on the card (helpers.estimator.plan.usable_budget)
+    usable: int  # what the peak may use on the card (helpers.planner.usable_budget)
     estimate: object = None  # helpers.estimator.Estimate, None when ``error`` says why
     error: str = ""
 
@@ -147,7 +147,7 @@ class CalculatorResult:
     @property
     def supported(self) -> bool:
         """Whether the card trains in the setting's precision (bf16 and tf32 need Ampere)."""
-        from helpers.estimator.plan import card_precisions
+        from helpers.planner import card_precisions
 
         return self.setting.precision in card_precisions(self.card)
 
@@ -190,7 +190,7 @@ def evaluate(setting: CalculatorSetting) -> CalculatorResult:
     """``setting``'s estimate on its card; an error a learner can act on becomes ``error``."""
     import torch
 
-    from helpers.estimator.plan import usable_budget
+    from helpers.planner import usable_budget
 
     card = reference_cards()[setting.card]
     usable = usable_budget(card.total_memory, torch.device("cuda"))
@@ -221,9 +221,9 @@ def one_line(err: BaseException) -> str:
 def suggest(setting: CalculatorSetting, report=None):
     """The planner's answer (``plan_for_card``): the setting's model, effective batch, card.
 
-    ``report(done, total)`` follows the estimates, as in ``helpers.estimator.plan.candidates``.
+    ``report(done, total)`` follows the estimates, as in ``helpers.planner.candidates``.
     """
-    from helpers.estimator.plan import plan_for_card
+    from helpers.planner import plan_for_card
 
     lora = {"lora_r": setting.lora_r, "lora_targets": setting.lora_targets}
     with _quiet():
@@ -636,7 +636,7 @@ def calculator(
     ``interactive``: None picks widgets when ipywidgets imports and an IPython kernel runs;
     False always gives the ``StaticCalculator``; True asks for widgets (without ipywidgets:
     the static table, saying how to install them). ``card``: a key of
-    ``helpers.fullscale.REFERENCE_CARDS`` ("t4", "l4", "a100-80", ...).
+    ``helpers.hardware.REFERENCE_CARDS`` ("t4", "l4", "a100-80", ...).
     """
     setting = CalculatorSetting(model, batch_size, seq_len, precision, optimizer,
                                 gradient_checkpointing, grad_accum, lora_r, qlora, attn, card,

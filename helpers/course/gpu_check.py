@@ -36,12 +36,24 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from helpers import compat
+from helpers.course.preflight import format_result, run_preflight
+from helpers.device import cudnn_version, gpu_info, is_cuda, nvml_summary, resolve, tf32_capable
+from helpers.estimator import estimate_run
+from helpers.hardware import cpu_name, precision_problem
 from helpers.isolate import call_isolated
+from helpers.lessons.putting_it_together import (
+    SEED_RECIPES,
+    ablation_table,
+    half_precision,
+    recipe_config,
+)
 from helpers.names import GiB, MiB, human_bytes
 from helpers.recipes import recipe_names
+from helpers.results import Record
+from helpers.scale import get_scale
 from helpers.train import RunConfig, measure
 
-ROOT = Path(__file__).resolve().parents[1]  # the checkout: notebooks/, tools/, reports/
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: notebooks/, tools/, reports/
 REPORTS = ROOT / "reports" / "gpu"  # committed reports: where a GPU run writes by default
 CATEGORIES = ("params", "gradients", "optimizer_state", "activations", "temporaries")
 # Full-scale lessons in order of value: the capstone, then the memory lessons whose numbers
@@ -134,10 +146,6 @@ def environment(device: str | None) -> dict:
 
     import torch
 
-    from helpers.device import cudnn_version, gpu_info, is_cuda, nvml_summary, resolve
-    from helpers.hardware import cpu_name
-    from helpers.scale import get_scale
-
     d = resolve(device)
     env = {
         "device": str(d),
@@ -165,8 +173,6 @@ def environment(device: str | None) -> dict:
 def _part_a(run: _Run):
     """The environment and the preflight; returns the PreflightResult (its minutes per lesson
     pace part c's full scale)."""
-    from helpers.preflight import format_result, run_preflight
-
     cfg, result, clock = run.cfg, run.result, run.clock
     out = call_isolated(environment, cfg.device, timeout=120)
     result.environment = out.value if out.error is None else {"error": out.error}
@@ -195,11 +201,6 @@ def _reserve(cfg: GpuCheckConfig) -> float:
 def estimator_settings(device: str | None, quick: bool = False) -> dict[str, RunConfig]:
     """The settings part b runs: the capstone's nine recipes on the encoder, then the decoder
     with SDPA in 16-bit, a family only the traced estimator knows, LoRA and tf32."""
-    from helpers.device import resolve, tf32_capable
-    from helpers.hardware import precision_problem
-    from helpers.lessons.putting_it_together import SEED_RECIPES, half_precision, recipe_config
-    from helpers.scale import get_scale
-
     d = resolve(device)
     scale = get_scale(device=d)
     base = scale.run_config(device=str(d), repeats=max(3, scale.repeats), label="vanilla")
@@ -230,8 +231,6 @@ def _gap(a: int | None, b: int | None) -> int | None:
 
 def estimator_row(label: str, cfg: RunConfig, record) -> dict:
     """Predicted and measured bytes of one setting, and the gaps between the memory views."""
-    from helpers.estimator import estimate_run
-
     row = {"label": label, "config": cfg.as_dict()}
     if not record.ok:
         row["error"] = record.error
@@ -295,8 +294,6 @@ def _part_b(run: _Run) -> dict:
 
 
 def _failed_record(run_cfg: RunConfig, error: str):
-    from helpers.results import Record
-
     return Record(run_cfg.as_dict(), error=error, error_type="oom" if "OutOfMemory" in error
                   else "error")  # fmt: skip
 
@@ -312,8 +309,6 @@ def _estimator_line(row: dict) -> str:
 
 
 def _part_d(records: dict, result: GpuCheckResult) -> None:
-    from helpers.lessons.putting_it_together import SEED_RECIPES, ablation_table
-
     mine = {r.label: records[r.label] for r in SEED_RECIPES if r.label in records}
     if not mine:
         result.not_reached.append("capstone: no recipe ran")
@@ -663,8 +658,6 @@ def run_gpu_check(
 
     The report is rewritten after every step; ``say`` receives one line per step.
     """
-    from helpers.device import is_cuda, resolve
-
     clock = Clock(cfg.deadline_min)
     d = resolve(cfg.device)
     cfg = replace(cfg, device=str(d))

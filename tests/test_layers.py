@@ -1,0 +1,261 @@
+"""The floors of ``helpers``: each module imports only its own floor and the ones below.
+
+The import graph counts imports inside functions too (tools/import_graph.py), so a lazy
+import that runs back up a floor fails here just as a top-level one would.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from import_graph import build, cycles, internal, module_names  # noqa: E402
+
+# Floor of every module, lowest first; a package's modules share its floor unless named.
+CORE, ESTIMATOR, RUNNERS, USES, LESSONS, COURSE = range(6)
+FLOORS = {
+    # The small core: names and units, devices and hardware, models and data, the tracker,
+    # timing and the training step; train imports memory, timing, models and data, so they
+    # share its floor (the graph inside a floor must stay free of cycles). forkserver is the
+    # process pool timing.CpuBurner and isolate both start from; recipes, profiling and
+    # pretrained are leaves used by the floors above; quiet and progress are used by all.
+    "helpers": CORE,
+    "helpers._fork_server": CORE,
+    "helpers.compat": CORE,
+    "helpers.data": CORE,
+    "helpers.device": CORE,
+    "helpers.forkserver": CORE,
+    "helpers.hardware": CORE,
+    "helpers.memory": CORE,
+    "helpers.memory_savers": CORE,
+    "helpers.models": CORE,
+    "helpers.names": CORE,
+    "helpers.optimizer_state": CORE,
+    "helpers.pretrained": CORE,
+    "helpers.profiling": CORE,
+    "helpers.progress": CORE,
+    "helpers.quiet": CORE,
+    "helpers.recipes": CORE,
+    "helpers.results": CORE,
+    "helpers.timing": CORE,
+    "helpers.train": CORE,
+    # The estimator predicts only: it never runs an experiment.
+    "helpers.estimator": ESTIMATOR,
+    # What runs experiments in fresh processes, and what chooses (and fits) the scale.
+    "helpers.isolate": RUNNERS,
+    "helpers.scale": RUNNERS,
+    # What uses them: the planner (estimates, then measures and times), timelines, plots, and
+    # a notebook's opening line.
+    "helpers.planner": USES,
+    "helpers.timeline": USES,
+    "helpers.plots": USES,
+    "helpers.lesson": USES,
+    # One module per notebook.
+    "helpers.lessons": LESSONS,
+    # The course's tools: the only code that imports a lesson module.
+    "helpers.course": COURSE,
+    "helpers.__main__": COURSE,
+}
+
+# Third-party packages a module may import inside a function: optional extras, and slow
+# imports that only some calls need.
+DEFERRED_ALLOWED = {
+    "accelerate",  # lesson 07 and 17 only
+    "bitsandbytes",  # optional; asks CUDA when imported
+    "datasets",  # optional (real data, COURSE_PRETRAINED)
+    "deepspeed",  # optional; slow, and builds ops when imported
+    "IPython",  # inside a notebook only
+    "ipywidgets",  # the calculator's widgets; import helpers stays cheap
+    "liger_kernel",  # optional
+    "matplotlib",  # slow; only figures need it
+    "pandas",  # slow; only tables need it
+    "peft",  # optional; imports bitsandbytes
+    "psutil",  # optional
+    "pynvml",  # optional (NVIDIA only)
+    "torchao",  # optional (lesson 16's fp8)
+}
+
+# Modules already held to DEFERRED_ALLOWED: no helpers import and no other package inside a
+# function. The rest still defer imports of their own floor or below; add a module here once
+# its imports are at the top. Three defer helpers imports on purpose: course.cli and
+# course.calculator import no torch until a command or a widget needs it (python -m helpers,
+# import helpers), and isolate, a notebook's first import, no transformers.
+TOP_IMPORTS_ONLY = {
+    "helpers.__main__",
+    "helpers._fork_server",
+    "helpers.course.cheatsheet",
+    "helpers.course.fullscale",
+    "helpers.data",
+    "helpers.estimator",
+    "helpers.estimator.api",
+    "helpers.estimator.decoder",
+    "helpers.estimator.encoder",
+    "helpers.estimator.model",
+    "helpers.estimator.parallel",
+    "helpers.estimator.qlora",
+    "helpers.estimator.simulate",
+    "helpers.estimator.stages",
+    "helpers.estimator.state",
+    "helpers.estimator.traced",
+    "helpers.forkserver",
+    "helpers.lesson",
+    "helpers.lessons.anatomy_of_memory",
+    "helpers.lessons.gradient_accumulation",
+    "helpers.lessons.gradient_checkpointing",
+    "helpers.lessons.mixed_precision",
+    "helpers.lessons.putting_it_together",
+    "helpers.lessons.seeing_memory",
+    "helpers.memory_savers",
+    "helpers.optimizer_state",
+    "helpers.planner",
+    "helpers.plots",
+    "helpers.profiling",
+    "helpers.progress",
+    "helpers.quiet",
+    "helpers.recipes",
+    "helpers.scale",
+    "helpers.timeline",
+    "helpers.timing",
+}
+
+IMPORTS = build(ROOT)
+
+
+def floor(module: str) -> int:
+    """The floor of ``module``: its own entry, else its package's."""
+    name = module
+    while name not in FLOORS:
+        if "." not in name:
+            raise KeyError(f"{module} has no floor: add it to FLOORS")
+        name = name.rpartition(".")[0]
+    return FLOORS[name]
+
+
+def test_every_module_has_a_floor():
+    missing = []
+    for name in module_names(ROOT):
+        try:
+            floor(name)
+        except KeyError:
+            missing.append(name)
+    assert not missing, f"add to FLOORS in tests/test_layers.py: {missing}"
+
+
+def test_the_import_graph_has_no_cycle():
+    assert cycles(IMPORTS) == []
+
+
+def test_no_import_runs_up_a_floor():
+    upward = [
+        f"{i.source}:{i.line} imports {i.target} ({'in a function' if i.deferred else 'top'})"
+        for i in internal(IMPORTS)
+        if floor(i.target) > floor(i.source)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_only_the_course_imports_a_lesson_module():
+    offenders = [
+        f"{i.source}:{i.line}"
+        for i in internal(IMPORTS)
+        if floor(i.target) == LESSONS and floor(i.source) < LESSONS
+    ]
+    assert not offenders
+
+
+@pytest.mark.parametrize("module", sorted(TOP_IMPORTS_ONLY))
+def test_imports_inside_functions_are_only_optional_or_slow_packages(module):
+    inner = set(internal(IMPORTS))
+    deferred = [i for i in IMPORTS if i.source == module and i.deferred]
+    bad = [
+        f"{i.source}:{i.line} {i.target}"
+        for i in deferred
+        if i in inner or i.target not in DEFERRED_ALLOWED
+    ]
+    assert not bad, "move these to the top of the module: " + ", ".join(bad)
+
+
+def _memtracker_private_names() -> set[str]:
+    """The private names of torch's MemTracker: its module's, its class's, an instance's."""
+    from torch.distributed._tools import mem_tracker
+
+    def private(names) -> set[str]:
+        return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+    return (
+        private(dir(mem_tracker))
+        | private(dir(mem_tracker.MemTracker))
+        | private(vars(mem_tracker.MemTracker()))
+    )
+
+
+def _private_memtracker_uses(tree: ast.AST, names: set[str]) -> list[str]:
+    """Where ``tree`` reaches into torch's trackers: an import from torch.distributed._tools,
+    an attribute or an overriding method with one of MemTracker's private ``names``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "torch.distributed._tools"
+        ):
+            found.append(f"{node.lineno}: from {node.module} import ...")
+        elif isinstance(node, ast.Import):
+            found += [
+                f"{node.lineno}: import {a.name}"
+                for a in node.names
+                if a.name.startswith("torch.distributed._tools")
+            ]
+        elif isinstance(node, ast.Attribute) and node.attr in names:
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in names:
+            found.append(f"{node.lineno}: def {node.name}")
+    return found
+
+
+def test_only_helpers_memory_touches_memtrackers_private_names():
+    # helpers.memory is the course's one contact with MemTracker's private API (pinned in
+    # tests/test_memory.py); the others use CategoryTracker's public hooks (on_forward,
+    # on_count, in_backward, current_modules...), so a torch upgrade is fixed in one place.
+    names = _memtracker_private_names()
+    assert {"_pre_fw_hook", "_mod_tracker", "_in_opt", "_MemRefType"} <= names
+    offenders = [
+        f"{path.relative_to(ROOT)}:{where}"
+        for module, path in module_names(ROOT).items()
+        if module != "helpers.memory"
+        for where in _private_memtracker_uses(ast.parse(path.read_text()), names)
+    ]
+    assert not offenders, "use helpers.memory's public hooks instead: " + ", ".join(offenders)
+
+
+def test_the_private_name_check_sees_an_override():
+    names = {"_pre_fw_hook", "_mod_tracker"}
+    source = (
+        "class T(CategoryTracker):\n"
+        "    def _pre_fw_hook(self, module, inputs):\n"
+        "        return self._mod_tracker.is_bw\n"
+    )
+    assert _private_memtracker_uses(ast.parse(source), names) == [
+        "2: def _pre_fw_hook",
+        "3: ._mod_tracker",
+    ]
+
+
+def test_the_graph_sees_a_climb_inside_a_function(tmp_path):
+    # The checker itself: a lazy import up a floor, in a throwaway package, is found.
+    pkg = tmp_path / "helpers"
+    (pkg / "course").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "course" / "__init__.py").write_text("")
+    (pkg / "course" / "cli.py").write_text("import helpers.models\n")
+    (pkg / "models.py").write_text("def f():\n    from helpers.course import cli\n")
+    found = build(tmp_path)
+    climbs = [i for i in internal(found) if floor(i.target) > floor(i.source)]
+    assert [(i.source, i.target, i.deferred) for i in climbs] == [
+        ("helpers.models", "helpers.course.cli", True)
+    ]
+    assert cycles(found) == [["helpers.course.cli", "helpers.models"]]
