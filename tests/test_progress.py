@@ -59,58 +59,70 @@ def test_timing_rounds_run_with_bars_on(monkeypatch):
     assert out.times == {"a": [1.0] * 3, "b": [2.0] * 3}
 
 
-def test_in_a_notebook_a_bar_is_text_that_is_emptied_however_the_loop_ends(monkeypatch):
+# Each cell below runs in one real kernel (one start for all: a few seconds), with bars on.
+LOOPS = {
+    "done": "for i in progress(range(3), 'runs'):\n    time.sleep(0.3)",
+    "break": "for i in progress(range(9), 'rounds'):\n    time.sleep(0.3)\n    if i == 2:\n"
+    "        break",
+    "raise": "try:\n    for i in progress(range(9), 'runs'):\n        time.sleep(0.3)\n"
+    "        if i == 2:\n            raise KeyError(i)\nexcept KeyError:\n    pass",
+    "one after another": "for plan in range(3):\n    for i in progress(range(2), 'setups'):\n"
+    "        pass",
+    "the next cell": "for plan in range(3):\n    for i in progress(range(2), 'setups'):\n"
+    "        pass",
+    "long wait": "assert call_isolated(time.sleep, 3.5).error is None",
+    "short wait": "assert call_isolated(time.sleep, 0.1).error is None",
+}
+
+
+@pytest.fixture(scope="module")
+def kernel_outputs():
+    """{name in LOOPS: the outputs its cell left} from one notebook run in a real kernel."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    env = {
+        PROGRESS_VARIABLE: "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        nb = nbformat.v4.new_notebook()
+        setup = (
+            "import time\nfrom helpers.isolate import call_isolated\n"
+            "from helpers.progress import progress"
+        )
+        nb.cells = [nbformat.v4.new_code_cell(setup)]
+        nb.cells += [nbformat.v4.new_code_cell(code) for code in LOOPS.values()]
+        nbclient.NotebookClient(nb, timeout=90, kernel_name="python3").execute()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return {name: cell.outputs for name, cell in zip(LOOPS, nb.cells[1:], strict=True)}
+
+
+EMPTIED = [{"text/plain": ""}]  # one display output, emptied at the end
+
+
+@pytest.mark.parametrize("how", ["done", "break", "raise"])
+def test_in_a_notebook_a_bar_is_text_that_is_emptied_however_the_loop_ends(kernel_outputs, how):
     """No ipywidgets bar (red when a loop stops early, "model not found" once reopened): one
     text output, updated in place, empty after a finished loop, a break and an exception."""
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    monkeypatch.setenv(PROGRESS_VARIABLE, "1")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    loops = {
-        "done": "for i in progress(range(3), 'runs'):\n    time.sleep(0.3)",
-        "break": "for i in progress(range(9), 'rounds'):\n    time.sleep(0.3)\n    if i == 2:\n"
-        "        break",
-        "raise": "try:\n    for i in progress(range(9), 'runs'):\n        time.sleep(0.3)\n"
-        "        if i == 2:\n            raise KeyError(i)\nexcept KeyError:\n    pass",
-    }
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("import time\nfrom helpers.progress import progress")]
-    nb.cells += [nbformat.v4.new_code_cell(code) for code in loops.values()]
-    nbclient.NotebookClient(nb, timeout=60, kernel_name="python3").execute()
-    for how, cell in zip(loops, nb.cells[1:], strict=True):
-        kinds = [o.output_type for o in cell.outputs]
-        assert kinds == ["display_data"], (how, cell.outputs)
-        assert cell.outputs[0].data == {"text/plain": ""}, (how, cell.outputs)
+    outputs = kernel_outputs[how]
+    assert [o.output_type for o in outputs] == ["display_data"], outputs
+    assert [o.get("data") for o in outputs] == EMPTIED, outputs
 
 
-def test_bars_one_after_another_in_a_cell_share_one_output(monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    monkeypatch.setenv(PROGRESS_VARIABLE, "1")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    nb = nbformat.v4.new_notebook()
-    loop = "for plan in range(3):\n    for i in progress(range(2), 'setups'):\n        pass\n"
-    nb.cells = [nbformat.v4.new_code_cell(f"from helpers.progress import progress\n{loop}")]
-    nb.cells.append(nbformat.v4.new_code_cell(loop))  # the next cell: a line of its own
-    nbclient.NotebookClient(nb, timeout=60, kernel_name="python3").execute()
-    for cell in nb.cells:
-        assert [o.get("data") for o in cell.outputs] == [{"text/plain": ""}], cell.outputs
+def test_bars_one_after_another_in_a_cell_share_one_output(kernel_outputs):
+    for name in ("one after another", "the next cell"):  # the next cell: a line of its own
+        assert [o.get("data") for o in kernel_outputs[name]] == EMPTIED, kernel_outputs[name]
 
 
-def test_a_long_wait_on_a_fresh_process_counts_seconds_then_empties(monkeypatch):
+def test_a_long_wait_on_a_fresh_process_counts_seconds_then_empties(kernel_outputs):
     """An experiment in a child shows no bar of its own: its cell counts the seconds (after
     2 s), so it is never silent, and a short one shows nothing at all."""
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    monkeypatch.setenv(PROGRESS_VARIABLE, "1")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [
-        nbformat.v4.new_code_cell("import time\nfrom helpers.isolate import call_isolated"),
-        nbformat.v4.new_code_cell("assert call_isolated(time.sleep, 3.5).error is None"),
-        nbformat.v4.new_code_cell("assert call_isolated(time.sleep, 0.1).error is None"),
-    ]
-    nbclient.NotebookClient(nb, timeout=60, kernel_name="python3").execute()
-    long_wait, short_wait = nb.cells[1].outputs, nb.cells[2].outputs
-    assert [o.get("data") for o in long_wait] == [{"text/plain": ""}], long_wait
-    assert short_wait == [], short_wait
+    assert [o.get("data") for o in kernel_outputs["long wait"]] == EMPTIED
+    assert kernel_outputs["short wait"] == []
