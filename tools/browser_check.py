@@ -85,6 +85,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a Python with Playwright, if this one has none")  # fmt: skip
     p.add_argument("--lab-python", default=str(ROOT / ".venv" / "bin" / "python"))
     p.add_argument("--chromium", default=os.environ.get("CHROMIUM", "/usr/bin/chromium"))
+    p.add_argument(
+        "--cells",
+        type=lambda t: [int(n) for n in t.split(",") if n],
+        default=[],
+        help="also screenshot these cells (1-based), e.g. 21,39",
+    )
     p.add_argument("--no-calculator", dest="calculator", action="store_false",
                    help="skip the memory calculator's checks")  # fmt: skip
     args = p.parse_args(argv)
@@ -453,6 +459,15 @@ class Shots:
             self.page.wait_for_timeout(150)
             self.take(f"{name}-{n + 1}")
 
+    def cells(self, phase: str, numbers) -> None:
+        """The cells numbered ``numbers`` (1-based, as failures name them) scrolled into view."""
+        cell = self.page.locator(".jp-NotebookPanel .jp-Notebook .jp-Cell")
+        for number in numbers:
+            if number <= cell.count():
+                cell.nth(number - 1).scroll_into_view_if_needed(timeout=5_000)
+                self.page.wait_for_timeout(150)
+                self.take(f"{phase}-cell{number:03d}")
+
     def failures(self, phase: str) -> None:
         """Each failing cell scrolled into view (one shot per cell and ``phase``)."""
         done: dict[int, str] = {}
@@ -483,6 +498,7 @@ def check_notebook(page, url: str, path: str, args: argparse.Namespace, steps=()
     check_page(outcome, cells, "after the run")
     check_figures(outcome, saved, cells, args.min_text_px)
     shots.failures("run")
+    shots.cells("run", args.cells)
     shots.pages("run")
     page.goto("about:blank")
     shut_kernel(url, path)
@@ -490,6 +506,7 @@ def check_notebook(page, url: str, path: str, args: argparse.Namespace, steps=()
     page.wait_for_timeout(2000)  # widgets render from the saved state a moment after the cells
     check_page(outcome, page.evaluate(OUTPUTS_JS), "after reopening")
     shots.failures("reopened")
+    shots.cells("reopened", args.cells)
     shots.pages("reopened", most=2)
     page.goto("about:blank")
     shut_kernel(url, path)
