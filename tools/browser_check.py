@@ -535,7 +535,13 @@ class Calculator:
             self.outcome.fail(1, "calculator", what)
 
     def shot(self, name: str) -> None:
-        """A screenshot of the page as the step left it."""
+        """A screenshot of the page as the step left it, the verdict line at the top."""
+        verdict = self.page.locator(
+            ".widget-html-content", has_text=re.compile(VERDICT + "|\u26a0")
+        )
+        if verdict.count():
+            verdict.first.evaluate("e => e.scrollIntoView({block: 'start'})")
+            self.page.wait_for_timeout(150)
         self.shots.take(f"calculator-{name}")
 
     def verdict(self) -> str:
