@@ -127,7 +127,7 @@ def waiting(desc: str, delay: float = 2.0):
                       leave=False)  # fmt: skip
 
     def tick() -> None:
-        if bar._time() - bar.start_t >= delay:
+        if bar.format_dict["elapsed"] >= delay:  # tqdm's own clock, as its meter shows it
             bar.refresh()
 
     try:
