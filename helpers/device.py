@@ -82,6 +82,23 @@ def cuda_initialized() -> bool:
     return torch.cuda.is_initialized()
 
 
+def forked_after_cuda() -> bool:
+    """Whether this process was forked from one that had initialised CUDA: CUDA fails here then.
+
+    torch marks such a child itself (``torch.cuda._is_in_bad_fork``, private: read here only).
+    """
+    return bool(torch.cuda._is_in_bad_fork())
+
+
+FORKED_AFTER_CUDA = (
+    "CUDA cannot work in this experiment's process: it was forked from a fork server that had "
+    "initialised CUDA, because a module the server imported asked the GPU about itself. "
+    "helpers.forkserver.PRELOAD_CUDA lists what the server imports on a GPU; an installed "
+    "package that initialises CUDA on import is the usual cause. Restart the kernel, or set "
+    "COURSE_NO_FORKSERVER=1 to start every experiment with spawn (slower) and report it."
+)
+
+
 def present(device: torch.device) -> bool:
     """True when ``device`` exists on this machine (the CPU always does)."""
     if device.type == "cpu":

@@ -51,6 +51,7 @@ def capture(fn: Callable, args=(), kwargs=None, catch: type = Exception) -> Outc
 
 
 def _child(conn, fn, args, kwargs) -> None:
+    from helpers.device import FORKED_AFTER_CUDA, forked_after_cuda
     from helpers.progress import quiet_here
     from helpers.quiet import quiet_libraries
 
@@ -58,6 +59,8 @@ def _child(conn, fn, args, kwargs) -> None:
     try:  # in the child even KeyboardInterrupt or SystemExit comes back as an Outcome
         with quiet_libraries():  # import-time notices of bitsandbytes and DeepSpeed
             outcome = capture(fn, args, kwargs, catch=BaseException)
+        if outcome.error is not None and forked_after_cuda():
+            outcome.error = f"{FORKED_AFTER_CUDA} ({outcome.error})"
         conn.send(outcome)
     finally:
         conn.close()

@@ -530,7 +530,7 @@ def test_flash_attention_2_needs_ampere_and_the_package(monkeypatch):
 
 
 def test_the_fork_server_preloads_no_cuda_asking_module_on_a_gpu(monkeypatch):
-    from helpers.forkserver import PRELOAD, preload_list
+    from helpers.forkserver import PRELOAD_CUDA, preload_list
 
     FakeGpu(monkeypatch, [PROFILES["l4"]])
-    assert preload_list("bitsandbytes", "peft") == PRELOAD  # children import them themselves
+    assert preload_list("bitsandbytes", "peft") == PRELOAD_CUDA  # children import them

@@ -147,7 +147,65 @@ def test_fork_server_preloads_extras_only_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert server.preload_list("peft", "torch") == [*server.PRELOAD, "peft"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert server.preload_list("peft") == server.PRELOAD
+    assert server.preload_list("peft") == server.PRELOAD_CUDA
+    assert server.preload_list() == server.PRELOAD_CUDA
+
+
+def test_on_a_gpu_the_fork_server_imports_no_quantization_backend():
+    # transformers' modeling_utils imports every installed quantization backend, and torchao
+    # initialises CUDA while imported (an H200 run: every forked experiment failed). The
+    # server's GPU preload must stop short of it, whichever backends this machine has.
+    import json
+    import subprocess
+    import sys
+
+    from helpers import forkserver as server
+
+    probe = (
+        "import importlib, json, sys, torch\n"
+        "if sys.argv[1] == 'gpu': torch.cuda.is_available = lambda: True\n"
+        "for m in sys.argv[2:]: importlib.import_module(m)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('torchao', "
+        "'bitsandbytes', 'transformers.modeling_utils', 'transformers.quantizers')))))"
+    )
+
+    def loaded(modules, gpu):
+        done = subprocess.run([sys.executable, "-c", probe, "gpu" if gpu else "cpu", *modules],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert loaded(server.PRELOAD_CUDA, gpu=True) == []
+    # Why PRELOAD is not used there (imported as on a CPU: with CUDA faked, torchao would fail).
+    assert "transformers.modeling_utils" in loaded(server.PRELOAD, gpu=False)
+
+
+def test_a_child_forked_after_cuda_says_so(monkeypatch):
+    from helpers import device, isolate
+
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    sent = []
+
+    class Conn:
+        send = sent.append
+
+        def close(self):
+            pass
+
+    isolate._child(Conn(), _divide, (1, 0), {})
+    assert (
+        sent[0].error.startswith(device.FORKED_AFTER_CUDA) and "ZeroDivisionError" in sent[0].error
+    )
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: False)
+    isolate._child(Conn(), _divide, (1, 0), {})
+    assert sent[1].error.startswith("ZeroDivisionError")
+
+
+def test_no_forkserver_env_spawns(monkeypatch):
+    from helpers import forkserver as server
+
+    monkeypatch.setenv(server.NO_FORKSERVER_ENV, "1")
+    assert server.context().get_start_method() == "spawn"
+    assert server.start() is False
 
 
 def test_start_hands_the_preload_to_the_fork_server(monkeypatch):
@@ -198,12 +256,12 @@ def _cuda_questions(modules: list[str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_the_usual_preload_never_asks_cuda():
+def test_the_gpu_preload_never_asks_cuda():
     # Why preload_list leaves extras out on a GPU: a fork server that initialised CUDA hands
-    # children a CUDA they cannot use; the usual modules never ask.
+    # children a CUDA they cannot use; the modules it imports there never ask.
     from helpers import forkserver as server
 
-    modules = [m for m in server.PRELOAD if m != "torch"]
+    modules = [m for m in server.PRELOAD_CUDA if m != "torch"]
     asked = _cuda_questions(modules)
     assert all(asked[m] == [] for m in modules), asked
 
