@@ -337,8 +337,14 @@ def _interleave_guarded(run, names, errors, rounds):
     from helpers.timing import interleave
 
     while True:
+        left = [n for n in names if n not in errors]
+        if not left:  # nothing to time: say why each one failed instead of timing nothing
+            raise RuntimeError(
+                "no contender ran, so nothing could be timed:\n"
+                + "\n".join(f"  {name}: {error}" for name, error in errors.items())
+            )
         try:
-            result = interleave(run, [n for n in names if n not in errors], **rounds)
+            result = interleave(run, left, **rounds)
             result.errors = errors
             return result
         except _ContenderFailed as failed:

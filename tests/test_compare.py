@@ -74,6 +74,15 @@ def test_contenders_in_their_own_processes(mode):
     assert result.verdict(Claim("broken", "faster", "short")) == "undecided"
 
 
+def test_when_every_contender_fails_the_error_names_each_one():
+    # Seen on a GPU whose experiments could not start: timing nothing must not fail with a
+    # ZeroDivisionError deep in the rounds, but say what stopped each contender.
+    benches = {"broken": bench(pause, -1), "also broken": bench(pause, -2)}
+    with pytest.raises(RuntimeError, match="no contender ran") as err:
+        compare_benches(benches, "cpu", mode="fresh", rounds=5, max_rounds=5)
+    assert "broken: ValueError" in str(err.value) and "also broken: ValueError" in str(err.value)
+
+
 def test_a_wrong_way_claim_is_measured_again_before_it_can_fail():
     # The first measurement decides "a is faster" the wrong way (a machine hiccup on a's
     # side); fresh rounds measure again and find it holds: reported, not a failure.

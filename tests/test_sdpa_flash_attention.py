@@ -103,6 +103,11 @@ def test_power_law_figure_draws_the_series_and_two_visible_guides_on_log_axes():
     assert figure_problems(fig) == []
 
 
+def test_power_law_figure_of_nothing_says_why():
+    with pytest.raises(ValueError, match="no implementation ran"):
+        power_law_figure([64, 128], {}, "MiB")
+
+
 def test_guides_are_not_hidden_under_series_of_their_slope():
     # A series of slope exactly 1 and one of slope exactly 2: each guide must stay a visible
     # factor (GUIDE_OFFSET) away from the series it parallels, at every point.

@@ -357,6 +357,11 @@ def power_law_figure(xs, series: dict, ylabel: str, title: str = "", ranges: dic
     ``ranges``: per series, (low, high) per point, drawn as error bars (for times: the slowest
     and the fastest of the rounds).
     """
+    if not series:
+        raise ValueError(
+            f"nothing to plot for {ylabel!r}: no implementation ran on this device (each one's "
+            "reason is printed above the table)"
+        )
     fig = lines(xs, series, "sequence length s", ylabel, title, logy=True, ranges=ranges)
     fig.set_size_inches(7.5, 4)
     ax = fig.axes[0]
