@@ -25,7 +25,7 @@ from helpers.models import (
     load_config,
     task_kind,
 )
-from helpers.names import AUTOCAST, OPTIMIZERS, TRAIN_ATTENTION
+from helpers.names import AUTOCAST, OPTIMIZERS, seq_len_problem, setting_problem
 from helpers.results import Record
 from helpers.timing import (
     OP_CLASSES,
@@ -73,6 +73,32 @@ class RunConfig:
     def as_dict(self) -> dict:
         """Plain dict for records and JSON."""
         return asdict(self)
+
+    def problem(self) -> str | None:
+        """What is wrong with this run before anything is built, if anything (one message).
+
+        The checks that need no model config and no device (``names.setting_problem``): the
+        command line asks here before it builds anything, ``Trainee`` before it trains.
+        """
+        if self.lora_r < 0:
+            return f"LoRA rank {self.lora_r}: must be 0 (no LoRA) or positive"
+        return setting_problem(self.precision, self.optimizer, self.attn, self.batch_size,
+                               self.seq_len, self.grad_accum)  # fmt: skip
+
+    def model_config(self):
+        """The model's config, read once for this run; a ValueError that says what to do."""
+        try:
+            config = load_config(self.model)
+        except Exception as err:  # missing file, bad JSON, unknown model type, no hub
+            raise ValueError(
+                f"cannot read model config {self.model!r}: {type(err).__name__}: {err}"
+            ) from None
+        problem = seq_len_problem(
+            self.seq_len, getattr(config, "max_position_embeddings", None), self.model
+        )
+        if problem:
+            raise ValueError(problem)
+        return config
 
 
 def make_optimizer(name: str, model: torch.nn.Module, lr: float = 1e-3, params=None):
@@ -186,14 +212,10 @@ class Trainee:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.device = resolve(cfg.device)
-        problem = precision_problem(cfg.precision, self.device)
+        problem = cfg.problem() or precision_problem(cfg.precision, self.device)
         if problem:
             raise ValueError(problem)
-        if cfg.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {cfg.optimizer!r}: use one of {OPTIMIZERS}")
-        if cfg.attn not in TRAIN_ATTENTION:
-            raise ValueError(f"unknown attention {cfg.attn!r}: use one of {TRAIN_ATTENTION}")
-        self.config = load_config(cfg.model)
+        self.config = cfg.model_config()
         self.kind = task_kind(self.config)
         self.model = build_model(self.config, cfg.attn, self.device, cfg.seed)
         if cfg.gradient_checkpointing:

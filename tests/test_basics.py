@@ -85,3 +85,38 @@ def test_results_store_roundtrip(tmp_path):
     assert [r.label for r in back] == ["a", "b"] and back[0].lesson == "99"
     table = results.summary_table(back)
     assert list(table["status"]) == ["ok", "oom"] and table["peak MB"][0] == 1.0
+
+
+def test_a_run_checks_its_setting_once_and_says_what_to_do(monkeypatch):
+    # RunConfig.problem and RunConfig.model_config hold the checks the command line, the
+    # estimator and Trainee share (helpers.names.setting_problem, seq_len_problem).
+    import pytest
+
+    from helpers import train
+    from helpers.estimator import estimate_run
+    from helpers.train import RunConfig, Trainee
+
+    assert RunConfig().problem() is None
+    assert "unknown optimizer 'lion'" in RunConfig(optimizer="lion").problem()
+    assert "unknown attention" in RunConfig(attn="paged").problem()
+    assert "must be positive" in RunConfig(batch_size=0).problem()
+    assert "LoRA rank -1" in RunConfig(lora_r=-1).problem()
+    assert "flash_attention_2" in RunConfig(attn="x").problem()  # a run may use it
+    with pytest.raises(ValueError, match=r"use one of eager, sdpa$"):  # the estimator: not modelled
+        estimate_run(RunConfig(attn="flash_attention_2"))
+    too_long = RunConfig(model="bert-tiny", seq_len=100_000)
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
+        too_long.model_config()
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
+        estimate_run(too_long)
+    with pytest.raises(ValueError, match=r"cannot read model config ./nonexistent\.json."):
+        RunConfig(model="/nonexistent.json").model_config()
+    # Trainee reads the config once, through model_config.
+    reads = []
+    real = train.load_config
+    monkeypatch.setattr(train, "load_config", lambda name: reads.append(name) or real(name))
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        Trainee(RunConfig(optimizer="lion", device="cpu"))
+    assert reads == []  # refused before anything was read or built
+    Trainee(RunConfig(batch_size=1, seq_len=8, device="cpu"))
+    assert reads == ["bert-tiny"]

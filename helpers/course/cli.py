@@ -59,26 +59,13 @@ def _run_config(args):
 
 
 def _measure(args) -> int:
-    from helpers.models import load_config
     from helpers.results import save
     from helpers.train import measure
 
-    problem = _run_problem(args)
-    if problem:
-        return _fail(problem)
-    try:
-        config = load_config(args.model)
-    except Exception as err:  # missing file, bad JSON, unknown model type, no hub
-        return _fail(f"cannot read model config {args.model!r}: {type(err).__name__}: {err}")
-    if args.seq_len > getattr(config, "max_position_embeddings", args.seq_len):
-        return _fail(
-            f"--seq-len {args.seq_len} exceeds the config's max_position_embeddings "
-            f"({config.max_position_embeddings})"
-        )
     cfg = _run_config(args)
-    try:
+    try:  # the run checks itself (RunConfig.problem, model_config): one message, no traceback
         record = measure(cfg)
-    except ValueError as err:  # a precision this device lacks, and similar checks
+    except ValueError as err:  # a bad setting, a config it cannot read, a precision it lacks
         return _fail(str(err))
     except RuntimeError as err:
         if "bitsandbytes" in str(err):
@@ -103,12 +90,8 @@ def _measure(args) -> int:
 
 
 def _run_problem(args) -> str | None:
-    """What is wrong with the run arguments ``measure`` and ``estimate`` share, if anything."""
-    if args.optimizer not in OPTIMIZERS:
-        return f"unknown optimizer {args.optimizer!r}: use one of {', '.join(OPTIMIZERS)}"
-    if args.batch_size < 1 or args.seq_len < 1 or args.lora_r < 0:
-        return "--batch-size and --seq-len must be positive, --lora-r not negative"
-    return None
+    """What is wrong with the run arguments ``estimate`` shares with ``measure``, if anything."""
+    return _run_config(args).problem()
 
 
 def _print_summary(summary: dict, as_json: bool) -> None:

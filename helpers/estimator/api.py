@@ -17,7 +17,13 @@ from helpers.estimator.stages import Moment, Stage, _Shape
 from helpers.estimator.state import optimizer_state_bytes, optimizer_step_temporaries
 from helpers.estimator.traced import trace_step
 from helpers.models import load_config
-from helpers.names import ATTENTION, AUTOCAST, OPTIMIZERS, PRECISION_BYTES
+from helpers.names import (
+    ATTENTION,
+    AUTOCAST,
+    PRECISION_BYTES,
+    seq_len_problem,
+    setting_problem,
+)
 
 if TYPE_CHECKING:
     from helpers.train import RunConfig
@@ -59,9 +65,9 @@ def estimate(
     """
     _check_setting(precision, optimizer, attn, batch_size, seq_len, grad_accum)
     info = describe_model(model, attn, lora_r, lora_targets)
-    limit = info.config.get("max_position_embeddings")
-    if limit and seq_len > limit:
-        raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings ({limit})")
+    problem = seq_len_problem(seq_len, info.config.get("max_position_embeddings"))
+    if problem:
+        raise ValueError(problem)
     dev = resolve(device)
     savers = _check_savers(info, optimizer_in_backward, loss_chunk, precision, grad_accum)
     if _choose_path(info, path, precision, qlora, moments is not None or savers) == "analytical":
@@ -200,14 +206,10 @@ def _traced(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accu
 
 def _check_setting(precision, optimizer, attn, batch_size, seq_len, grad_accum) -> None:
     """Raise ValueError, saying what to use, for a setting the estimator does not know."""
-    if precision not in PRECISION_BYTES:
-        raise ValueError(f"unknown precision {precision!r}: use fp32, tf32, bf16 or fp16")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    if attn not in ATTENTION:
-        raise ValueError(f"unknown attention {attn!r}: use eager or sdpa")
-    if batch_size < 1 or seq_len < 1 or grad_accum < 1:
-        raise ValueError("batch size, sequence length and accumulation must be positive")
+    problem = setting_problem(precision, optimizer, attn, batch_size, seq_len, grad_accum,
+                              attentions=ATTENTION)  # fmt: skip
+    if problem:
+        raise ValueError(problem)
 
 
 @dataclass
