@@ -233,7 +233,7 @@ def trainer_checkpointing(on: bool, kwargs: dict | None = None) -> dict:
     """``TrainingArguments``' keywords that switch checkpointing, under this version's names:
     ``activation_checkpointing`` (5.2x; ``gradient_checkpointing`` is its deprecated alias
     there) or ``gradient_checkpointing`` (before), and the matching ``*_kwargs``."""
-    from transformers import TrainingArguments
+    from transformers import TrainingArguments  # slow (training_args): only Trainer calls
 
     names = TrainingArguments.__dataclass_fields__
     name = (

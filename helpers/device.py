@@ -16,7 +16,9 @@ without one.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,8 +215,6 @@ def release_cached(device: torch.device) -> None:
     A notebook calls it after freeing its own GPU tensors, before experiments that run in
     other processes: memory cached here is not free for them.
     """
-    import gc
-
     gc.collect()
     empty_cache(device)
 
@@ -441,7 +441,7 @@ def nvml_handle(device: torch.device):
     if not is_cuda(device):
         raise NvmlUnavailable(f"{torch.device(device).type} is not an NVIDIA GPU")
     try:
-        import pynvml
+        import pynvml  # optional (NVIDIA only)
     except ImportError as err:
         raise NvmlUnavailable("nvidia-ml-py is not installed (pip install nvidia-ml-py)") from err
     try:
@@ -521,8 +521,6 @@ class UtilSampler:
     """Samples NVML's GPU utilisation (% of time a kernel ran) in a thread while active."""
 
     def __init__(self, device: torch.device, every: float = 0.05):
-        import threading
-
         self.device, self.every, self.samples = device, every, []
         self.problem: str | None = None  # why nothing was sampled
         self._stop = threading.Event()

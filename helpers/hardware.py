@@ -10,6 +10,7 @@ import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
@@ -54,8 +55,6 @@ class HardwareReport:
 
 def library_versions() -> dict[str, str]:
     """Versions of the libraries whose behaviour the numbers depend on."""
-    from importlib.metadata import PackageNotFoundError, version
-
     names = ["torch", "transformers", "accelerate", "datasets", "peft", "bitsandbytes", "deepspeed"]
     out = {"python": platform.python_version()}
     for name in names:

@@ -9,15 +9,35 @@ laptop) every time. Where forkserver does not exist (Windows) we fall back to sp
 
 from __future__ import annotations
 
+import os
+import statistics
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
+from helpers.device import (
+    ASSUMED_CONTEXT,
+    FORKED_AFTER_CUDA,
+    RESERVE_MARGIN,
+    forked_after_cuda,
+    gpu_info,
+    is_cuda,
+    resolve,
+)
 from helpers.forkserver import context
 from helpers.forkserver import start as start  # notebooks' first cell: isolate.start()
-from helpers.progress import waiting
+from helpers.hardware import cpu_name
+from helpers.progress import quiet_here, waiting
+from helpers.quiet import quiet_libraries
+from helpers.results import Record
+from helpers.timing import confirmed, interleave, time_fn
+
+# helpers.train and helpers.estimator import transformers (seconds): the calls that need them
+# import them, so a notebook's first import stays quick.
 
 
 @dataclass
@@ -38,8 +58,6 @@ class Outcome:
 
 def capture(fn: Callable, args=(), kwargs=None, catch: type = Exception) -> Outcome:
     """``fn(*args, **kwargs)`` as an Outcome: its value, or the error that stopped it."""
-    import torch
-
     try:
         return Outcome(value=fn(*args, **(kwargs or {})))
     except torch.OutOfMemoryError as err:
@@ -51,10 +69,6 @@ def capture(fn: Callable, args=(), kwargs=None, catch: type = Exception) -> Outc
 
 
 def _child(conn, fn, args, kwargs) -> None:
-    from helpers.device import FORKED_AFTER_CUDA, forked_after_cuda
-    from helpers.progress import quiet_here
-    from helpers.quiet import quiet_libraries
-
     quiet_here()  # a bar in this process would reach the kernel's log, not the notebook
     try:  # in the child even KeyboardInterrupt or SystemExit comes back as an Outcome
         with quiet_libraries():  # import-time notices of bitsandbytes and DeepSpeed
@@ -122,8 +136,7 @@ def call_isolated(
 def run(cfg, isolate: bool = True):
     """``helpers.train.measure(cfg)`` in a fresh process (or in this one); always a Record."""
 
-    from helpers.results import Record
-    from helpers.train import measure
+    from helpers.train import measure  # imports transformers: not at a notebook's first import
 
     outcome = call_isolated(measure, cfg) if isolate else capture(measure, (cfg,))
     if outcome.error:
@@ -134,9 +147,6 @@ def run(cfg, isolate: bool = True):
 
 
 def _device_name(device: str | None) -> str:
-    from helpers.device import resolve
-    from helpers.hardware import cpu_name
-
     # Not the GPU's name: asking would initialise CUDA in this (notebook) process, and its
     # context would then show up in every later NVML reading.
     dev = resolve(device)
@@ -168,12 +178,6 @@ def bench(fn: Callable, *args, **kwargs) -> Bench:
 
 def _bench_worker(conn, spec: Bench, device: str, warmup: int) -> None:
     """A contender's process: build it, warm it up, then time calls until told to stop."""
-    import torch
-
-    from helpers.progress import quiet_here
-    from helpers.quiet import quiet_libraries
-    from helpers.timing import time_fn
-
     quiet_here()
     try:
         with quiet_libraries():
@@ -251,10 +255,6 @@ class Workers:
 
 def _bench_once(spec: Bench, device: str, warmup: int, n: int) -> list[float]:
     """Build, warm up and time ``n`` calls of a contender (one round in a fresh process)."""
-    import torch
-
-    from helpers.timing import time_fn
-
     return time_fn(spec.build(), torch.device(device), warmup=warmup, repeats=n).times
 
 
@@ -279,9 +279,6 @@ def compare_benches(
     throughput. ``rounds`` as for ``helpers.timing.interleave``; a claim decided the wrong
     way is measured again in new processes before it can fail (``timing.confirmed``).
     """
-    from helpers.device import resolve
-    from helpers.timing import confirmed
-
     device = str(resolve(device))
     per_unit = {name: (units or {}).get(name, 1.0) for name in benches}
     if mode not in ("workers", "fresh"):
@@ -298,7 +295,6 @@ def compare_benches(
 
 def _measure_fresh(benches, device, warmup, per_round, daemon, per_unit, rounds):
     """One measurement: every round of every contender in a fresh process."""
-    import statistics
 
     def run_fresh(name: str) -> float:
         out = call_isolated(_bench_once, benches[name], device, warmup, per_round,
@@ -312,8 +308,6 @@ def _measure_fresh(benches, device, warmup, per_round, daemon, per_unit, rounds)
 
 def _measure_workers(benches, device, warmup, per_round, daemon, per_unit, rounds):
     """One measurement: a long-lived process per contender, built for it and stopped after."""
-    import statistics
-
     with Workers(benches, device, warmup, daemon) as workers:
         names = [n for n in benches if n not in workers.errors]
 
@@ -334,8 +328,6 @@ class _ContenderFailed(Exception):
 
 def _interleave_guarded(run, names, errors, rounds):
     """``interleave`` that drops a contender failing mid-way (its error kept) and starts over."""
-    from helpers.timing import interleave
-
     while True:
         left = [n for n in names if n not in errors]
         if not left:  # nothing to time: say why each one failed instead of timing nothing
@@ -357,10 +349,7 @@ def mode_for(cfgs, device=None) -> str:
     Their peaks come from the estimator; on CUDA each worker also holds a CUDA context and
     the allocator's margin (helpers.course.fullscale's model), on a CPU half the RAM is the limit.
     """
-    import os
-
-    from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, gpu_info, is_cuda, resolve
-    from helpers.estimator import estimate_run
+    from helpers.estimator import estimate_run  # imports transformers (as helpers.train)
 
     device = resolve(device)
     need = sum(int(estimate_run(cfg).peak * (1 + RESERVE_MARGIN)) for cfg in cfgs)
@@ -379,9 +368,7 @@ def compare_runs(cfgs: dict, device=None, claims=(), **options):
     runs with different batches or accumulation compare by throughput (``rates()`` gives
     samples/s). ``options`` as for ``compare_benches`` and ``helpers.timing.interleave``.
     """
-    from dataclasses import replace
-
-    from helpers.train import trainee_step
+    from helpers.train import trainee_step  # imports transformers (see run)
 
     plain = {label: replace(cfg, budget=None) for label, cfg in cfgs.items()}
     options.setdefault("mode", mode_for(list(plain.values()), device))

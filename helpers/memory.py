@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed._tools.mod_tracker import ModTracker
 
@@ -582,7 +583,6 @@ FSDP_KEYS = tuple(dict.fromkeys(FSDP_CATEGORY.values()))  # the course's names, 
 @functools.cache
 def _fsdp_tracker_class():
     """``FSDPMemTracker`` with the course's per-category maxima (see fsdp_category_tracker)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
     class FsdpCategoryTracker(FSDPMemTracker):
         def __init__(self, mod, optm=None, device: torch.device | None = None) -> None:

@@ -75,6 +75,7 @@ def build_model(
     ``attn`` is the attention implementation (``eager`` or ``sdpa``); ``dropout`` overrides
     the config's dropout rates (0.0 makes runs deterministic for gradient comparisons).
     """
+    # the model classes import transformers' modeling code (and torchao where installed)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config = config.__class__.from_dict(config.to_dict())  # never mutate the caller's config
@@ -132,7 +133,7 @@ def parse_targets(targets: str) -> list[str] | str | None:
 
 def lora_config(kind: str, r: int, targets: str = "", alpha: float | None = None):
     """A peft LoraConfig: rank r, alpha 2r unless given, no dropout, the task from ``kind``."""
-    from peft import LoraConfig, TaskType
+    from peft import LoraConfig, TaskType  # optional; imports bitsandbytes
 
     if r < 1:
         raise ValueError(f"LoRA rank must be at least 1, got {r}")
@@ -148,7 +149,7 @@ def lora_config(kind: str, r: int, targets: str = "", alpha: float | None = None
 
 def apply_lora(model: torch.nn.Module, r: int, targets: str = "", alpha: float | None = None):
     """``peft.get_peft_model`` on a transformers model: weights frozen, adapters added."""
-    from peft import get_peft_model
+    from peft import get_peft_model  # optional; imports bitsandbytes
 
     config = lora_config(task_kind(model.config), r, targets, alpha)
     with warnings.catch_warnings():  # peft calls a transformers method renamed in v5

@@ -121,6 +121,7 @@ def load_model(source: str, attn: str = "eager", device: torch.device | str = "c
     Encoders get a sequence-classification head (new, randomly initialised: the pretrained
     checkpoint has none), decoders their causal LM head. fp32, on ``device``.
     """
+    # the model classes import transformers' modeling code (and torchao where installed)
     from transformers import (
         AutoConfig,
         AutoModelForCausalLM,
@@ -261,7 +262,7 @@ def real_run(
         )  # fmt: skip
         return RealRun(problem=why)
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # slow (tokenizers): a real run only
 
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = load_model(source, setting.attn, resolve(setting.device))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from helpers.names import MiB
@@ -101,7 +101,7 @@ def load(path: Path | None = None) -> list[Record]:
 
 def summary_table(records: list[Record]):
     """A pandas DataFrame: one row per experiment (the latest run of each lesson+label)."""
-    import pandas as pd
+    import pandas as pd  # slow: only tables need it
 
     latest: dict[tuple[str, str], Record] = {}
     for r in records:
@@ -138,8 +138,6 @@ def with_speed(record: Record, comparison, label: str | None = None) -> Record:
     comparison can be compared round by round; the medians fill the other speed fields.
     ``label``: the record's name in the comparison (default: the record's own label).
     """
-    from dataclasses import replace
-
     label = label or record.label
     if not record.ok or label not in comparison.times:
         return record

@@ -19,17 +19,24 @@ nbval) still shows the numbers. The module is callable: ``helpers.calculator(...
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import html
+import io
 import os
 import re
 import sys
 import types
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from importlib import resources
 from typing import TYPE_CHECKING
 
 from helpers.names import ATTENTION, OPTIMIZERS, PRECISIONS, GiB, MiB, human_bytes
+from helpers.quiet import quiet_libraries
+
+# The estimator, the planner, hardware and plots import torch (plots matplotlib too): they are
+# imported where they are used, so this module (helpers.calculator) imports quickly.
 
 if TYPE_CHECKING:
     from helpers.device import GpuInfo
@@ -93,8 +100,6 @@ class CalculatorSetting:
 
 def bundled_models() -> list[str]:
     """Names of the bundled configs (``helpers/configs/*.json``), sorted."""
-    from importlib import resources
-
     folder = resources.files("helpers") / "configs"
     return sorted(
         p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json")
@@ -188,7 +193,7 @@ class CalculatorResult:
 
 def evaluate(setting: CalculatorSetting) -> CalculatorResult:
     """``setting``'s estimate on its card; an error a learner can act on becomes ``error``."""
-    import torch
+    import torch  # no torch until an estimate is asked for (import helpers stays cheap)
 
     from helpers.planner import usable_budget
 
@@ -205,8 +210,6 @@ def evaluate(setting: CalculatorSetting) -> CalculatorResult:
 @contextlib.contextmanager
 def _quiet():
     """Library notices that teach nothing here (``helpers.quiet``; peft on GPT-2's Conv1D)."""
-    from helpers.quiet import quiet_libraries
-
     with quiet_libraries(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")
         yield
@@ -236,8 +239,6 @@ def suggest(setting: CalculatorSetting, report=None):
 
 def applied(setting: CalculatorSetting, best) -> CalculatorSetting:
     """``setting`` changed to the planner's candidate ``best``: what "Apply" sets."""
-    from dataclasses import replace
-
     return replace(
         setting, batch_size=best.micro_batch, grad_accum=best.grad_accum,
         gradient_checkpointing=best.gradient_checkpointing, precision=best.precision,
@@ -261,7 +262,7 @@ def _unit(nbytes: float) -> tuple[str, int]:
 
 def _step_bars(ax, est, unit: tuple[str, int]) -> float:
     """Stacked categories at x=0 and the peak at x=1, each labelled; returns the tallest."""
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter  # slow: only figures need it
 
     from helpers.plots import CATEGORY_COLORS, plain_number
 
@@ -299,7 +300,7 @@ def _card_lines(ax, result: CalculatorResult, unit: tuple[str, int]) -> float:
 
 def calculator_figure(result: CalculatorResult):
     """The step's categories (stacked) and its peak, close up and against the card's memory."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # slow: only figures need it
 
     est = result.estimate
     if est is None:
@@ -326,10 +327,7 @@ def calculator_figure(result: CalculatorResult):
 
 def _png_output(fig) -> dict:
     """``fig`` as one display_data output (PNG) for an ``ipywidgets.Output``'s ``outputs``."""
-    import base64
-    import io
-
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # slow: only figures need it
 
     buffer = io.BytesIO()
     FigureCanvasAgg(fig).print_png(buffer)
@@ -460,7 +458,7 @@ class Calculator:
 
     def __init__(self, setting: CalculatorSetting) -> None:
         """Build the widgets at ``setting`` and draw its estimate."""
-        import ipywidgets as w
+        import ipywidgets as w  # the widgets only: import helpers stays cheap
 
         self.lora_targets = setting.lora_targets
         self.controls = _controls(w, setting)

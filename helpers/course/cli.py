@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from helpers.names import ATTENTION, OPTIMIZERS, PRECISIONS, GiB, MiB
+from helpers.results import default_store, load, save, summary_table
+
+# The other helpers modules (most import torch) are imported inside the command that needs
+# them, so python -m helpers answers --help or a typo at once (tests/test_layers.py).
 
 EXIT_BAD_INPUT = 2
 
@@ -59,7 +65,6 @@ def _run_config(args):
 
 
 def _measure(args) -> int:
-    from helpers.results import save
     from helpers.train import measure
 
     cfg = _run_config(args)
@@ -201,9 +206,7 @@ def _print_plan(result) -> None:
 
 
 def _summary(args) -> int:
-    import pandas as pd
-
-    from helpers.results import default_store, load, summary_table
+    import pandas as pd  # slow: only the tables need it
 
     path = args.results or default_store()
     records = load(path)
@@ -217,7 +220,7 @@ def _summary(args) -> int:
 
 
 def _capstone(args) -> int:
-    import pandas as pd
+    import pandas as pd  # slow: only the tables need it
 
     from helpers.lessons.putting_it_together import (
         SEED_DEVICE,
@@ -225,7 +228,6 @@ def _capstone(args) -> int:
         device_memory,
         latest_records,
     )
-    from helpers.results import default_store, load
 
     path = args.results or default_store()
     records = latest_records(load(path))
@@ -247,7 +249,6 @@ def _capstone(args) -> int:
 
 def _cheatsheet(args) -> int:
     from helpers.course.cheatsheet import markdown, measured_on
-    from helpers.results import default_store, load
 
     path = args.results or default_store()
     records = load(path)
@@ -265,8 +266,6 @@ def _hardware(args) -> int:
 
 def _claims(args) -> int:
     """How the speed claims came out (helpers.timing.claims_summary); 1 on a confirmed wrong one."""
-    import os
-
     from helpers.timing import CLAIMS_ENV, claims_summary, read_claims
 
     path = args.claims or os.environ.get(CLAIMS_ENV)
@@ -332,8 +331,6 @@ def _doctor(args) -> int:
 
 def _gpu_check(args) -> int:
     """Parts a-d of helpers.course.gpu_check within the deadline; 1 if something failed."""
-    from pathlib import Path
-
     from helpers.course.gpu_check import GpuCheckConfig, reports_markdown, run_gpu_check
 
     if args.summary:

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -34,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
+
+import torch
 
 from helpers import compat
 from helpers.course.preflight import format_result, run_preflight
@@ -142,10 +146,6 @@ class _Run:
 def environment(device: str | None) -> dict:
     """The card, driver, CUDA and library versions (run in a fresh process: asking the card
     creates a CUDA context, which would stay in every later NVML reading of this process)."""
-    import platform
-
-    import torch
-
     d = resolve(device)
     env = {
         "device": str(d),
@@ -519,8 +519,6 @@ def _log_tail(path: Path, lines: int = 3) -> str:
 
 
 def _stop(run: _Running) -> None:
-    import signal
-
     try:
         os.killpg(run.proc.pid, signal.SIGKILL)  # the runner and its kernel
     except ProcessLookupError:

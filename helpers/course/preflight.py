@@ -13,10 +13,16 @@ a check can apply (tested on fake cards), and the check itself runs real work on
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import pickle
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import device as dev
 from helpers.course.fullscale import lesson_experiments
@@ -158,10 +164,6 @@ def _snapshot_workload(d: torch.device) -> None:
 
 
 def _memory_snapshot(device: str) -> str:
-    import pickle
-    import tempfile
-    from pathlib import Path
-
     d = dev.resolve(device)
     ok, why = dev.memory_snapshot_supported(d)
     if not ok:
@@ -178,9 +180,6 @@ def _memory_snapshot(device: str) -> str:
 
 
 def _profiler_trace(device: str) -> str:
-    import tempfile
-    from pathlib import Path
-
     trainee = Trainee(RunConfig(device=device))
     with tempfile.TemporaryDirectory() as folder:
         result = profile_step(trainee.step, trainee.device, Path(folder) / "step.json")
@@ -239,9 +238,6 @@ def _sdpa(device: str, backend: str) -> str:
 
 
 def _adamw8bit(device: str) -> str:
-    import importlib.util
-    import logging
-
     if importlib.util.find_spec("bitsandbytes") is None:
         return "skipped: bitsandbytes is not installed (pip install bitsandbytes)"
     # Its CPU backend warns about an optional 4-bit kernel package the course does not use.
@@ -251,8 +247,6 @@ def _adamw8bit(device: str) -> str:
 
 
 def _deepspeed(device: str) -> str:
-    import importlib.util
-
     if importlib.util.find_spec("deepspeed") is None:
         return "skipped: deepspeed is not installed (pip install deepspeed)"
 
@@ -277,8 +271,6 @@ def _compile(device: str) -> str:
 
 
 def _dataloader(device: str, pin: bool = False) -> str:
-    from torch.utils.data import DataLoader, TensorDataset
-
     d = dev.resolve(device)
     data = TensorDataset(torch.randn(64, 16), torch.randint(0, 2, (64,)))
     loader = DataLoader(data, batch_size=8, num_workers=2, pin_memory=pin)
@@ -325,8 +317,6 @@ def _fused_loss(device: str) -> str:
 
 
 def _two_processes(device: str) -> str:
-    from dataclasses import replace
-
     cfg, placement = beyond_one_gpu.lesson_config(TINY)
     # beyond_one_gpu.launch, read at the call: tests/test_preflight.py stands a fake in.
     result = beyond_one_gpu.launch(replace(cfg, strategy="ddp", launcher="torchrun"))

@@ -21,12 +21,17 @@ Both measure their steps with one ``StepMeter``. ``accumulation_demo`` is the le
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
+from torch.utils.data import DataLoader
 
 from helpers.compat import missing_optional, trainer_checkpointing
 from helpers.data import MarkovTask, markov_dataset
@@ -120,7 +125,7 @@ def meter_steps(meter: StepMeter):
     Accelerate loop's processes (lessons 07 and 17) never need.
     """
     with quiet_libraries():  # the Trainer's modules import peft, which imports bitsandbytes
-        from transformers import TrainerCallback
+        from transformers import TrainerCallback  # the Trainer's modules: seconds
 
     class MeterSteps(TrainerCallback):
         def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -141,7 +146,7 @@ def _dataset(cfg: LoopConfig, kind: str, n: int):
 
 def accelerate_train(cfg: LoopConfig, model, optimizer, loader, scheduler):
     """The course's combination as an Accelerate loop; yields each optimizer step's loss."""
-    from accelerate import Accelerator
+    from accelerate import Accelerator  # optional: lessons 07 and 17 only
 
     accelerator = Accelerator(
         mixed_precision=cfg.mixed_precision,  # autocast (+ a GradScaler for fp16 on a GPU)
@@ -176,9 +181,8 @@ def accelerate_train(cfg: LoopConfig, model, optimizer, loader, scheduler):
 def loop_parts(cfg: LoopConfig, num_processes: int = 1):
     """What lessons 03 to 06 chose, built for ``cfg``: the model (checkpointing on if asked),
     the optimizer, a loader with enough micro-batches for every process, a constant schedule."""
-    from accelerate.utils import set_seed
-    from torch.utils.data import DataLoader
-    from transformers import get_constant_schedule
+    from accelerate.utils import set_seed  # optional: lessons 07 and 17 only
+    from transformers import get_constant_schedule  # imports the modeling code: seconds
 
     set_seed(cfg.seed)
     config = load_config(cfg.model)
@@ -198,8 +202,8 @@ def train_loop(cfg: LoopConfig, loop=None) -> LoopResult:
     """Train ``cfg`` with ``loop`` (``accelerate_train`` unless given): time every optimizer step
     but one, whose exact memory is tracked instead. None of this is inside the loop: it runs
     between the loop's ``yield``s (so the first step's time includes ``prepare()``)."""
-    from accelerate import PartialState
-    from accelerate.state import AcceleratorState
+    from accelerate import PartialState  # optional: lessons 07 and 17 only
+    from accelerate.state import AcceleratorState  # optional: lessons 07 and 17 only
 
     loop = loop or accelerate_train
     state = PartialState(cpu=cfg.cpu)  # the processes and device that the loop's Accelerator gets
@@ -233,7 +237,7 @@ def accumulation_demo(gradient_accumulation_steps: int, micro_batches: int = 12,
     norms relative to one batch's, furthest from 1), ``max_diff`` (largest element difference
     relative to the largest element).
     """
-    from accelerate import Accelerator
+    from accelerate import Accelerator  # optional: lessons 07 and 17 only
 
     k = gradient_accumulation_steps
     if micro_batches % k:
@@ -291,10 +295,7 @@ def _trainer_arguments(cfg: LoopConfig, output_dir: str):
 
 def trainer_run(cfg: LoopConfig) -> LoopResult:
     """Train the same configuration with ``Trainer``; track the same optimizer step."""
-    import os
-    import tempfile
-
-    from transformers import Trainer
+    from transformers import Trainer  # seconds to import: only this call needs it
 
     config = load_config(cfg.model)
     model = build_model(config, seed=cfg.seed)
@@ -319,9 +320,6 @@ def trainer_run(cfg: LoopConfig) -> LoopResult:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: ``accelerate launch scripts/train_accelerate.py [--options]``."""
-    import argparse
-    import json
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = LoopConfig()
     for name, value in asdict(defaults).items():

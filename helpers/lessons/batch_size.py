@@ -225,7 +225,7 @@ def trainer_auto_batch(
     seed: int = 0,
 ) -> TrainerSearchResult:
     """Train ``model`` with the Trainer's ``auto_find_batch_size`` inside a memory budget."""
-    from transformers import Trainer
+    from transformers import Trainer  # seconds to import: only this call needs it
 
     dev = resolve(device)
     config = load_config(model)
@@ -296,7 +296,7 @@ def throughput_memory_figure(
 
 def matmul_figure(timing: MatmulTimingResult, title: str = "") -> Figure:
     """Achieved TFLOP/s per matmul size, coloured by alignment: multiple of 64, of 8, or neither."""
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # slow: only figures need it
 
     fig = Figure(figsize=(7, 3.5), layout="constrained")
     ax = fig.add_subplot()

@@ -31,17 +31,28 @@ one step issues; ``helpers.estimator.parallel.traffic`` counts the same from the
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
+import signal
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, Subset
 
 from helpers import device as dev
 from helpers.estimator.parallel import fsdp_units
@@ -185,8 +196,6 @@ def place_rank(local_rank: int, local_world_size: int, cpu: bool = False) -> Pla
 
 def _init_process_group(placement: Placement) -> None:
     """Join the processes (torchrun's environment names the others), on the process's GPU."""
-    import torch.distributed as dist
-
     if placement.device.type == "cuda":
         dev.set_current(placement.device)
     if not dist.is_initialized():
@@ -204,8 +213,6 @@ def shard_by_hand(model: torch.nn.Module) -> list[str]:
     Each parameter becomes a DTensor holding this process's share, so the optimizer is made
     afterwards, on ``model.parameters()`` (PyTorch's ``fully_shard`` docs and FSDP2 tutorial).
     Returns the units' names."""
-    from torch.distributed.fsdp import fully_shard
-
     units = fsdp_units(model)
     for unit in units[:-1]:
         modules = list(unit.modules) if len(unit.modules) > 1 else unit.modules[0]
@@ -216,8 +223,6 @@ def shard_by_hand(model: torch.nn.Module) -> list[str]:
 
 def rank_loader(loader, rank: int, world_size: int):
     """This process's batches, as Accelerate hands them out: batch i goes to process i % N."""
-    from torch.utils.data import DataLoader, Subset
-
     b = loader.batch_size
     mine = [i for i in range(len(loader.dataset)) if (i // b) % world_size == rank]
     return DataLoader(Subset(loader.dataset, mine), batch_size=b)
@@ -270,8 +275,6 @@ class CollectiveCounter(TorchDispatchMode):
         self.reduced: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
@@ -353,15 +356,13 @@ def _buckets_named(memory: dict) -> dict:
 
 def _local_params(model: torch.nn.Module) -> int:
     """Parameters stored by this process: its shards' numbers under FSDP2."""
-    from torch.distributed.tensor import DTensor
-
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
 
 
 def _prepare_rank(cfg: ParallelConfig):
     """Join the processes, build lesson 07's parts, shard them if this process has to; returns
     (loop config, parts, result, meter, whether the loop must see one process)."""
-    from transformers import get_constant_schedule
+    from transformers import get_constant_schedule  # imports the modeling code: seconds
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     strategy = strategy_from_env(cfg.strategy) if world > 1 else "single"
@@ -423,8 +424,6 @@ def rank_train(cfg: ParallelConfig) -> RankResult:
 
 def parse_args(argv: list[str] | None = None) -> ParallelConfig:
     """A ParallelConfig from this module's command line (``_script_args`` writes one)."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for f in fields(ParallelConfig):
         flag, value = "--" + f.name.replace("_", "-"), getattr(ParallelConfig(), f.name)
@@ -455,8 +454,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _free_port() -> int:
     """A TCP port nobody listens on now, for the processes' rendezvous."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -504,8 +501,6 @@ def launch_command(cfg: ParallelConfig, port: int | None = None) -> list[str]:
 def launch_env(cfg: ParallelConfig) -> dict[str, str]:
     """The processes' environment: this checkout importable, ``cfg.threads`` threads each, no
     GPU when ``cfg.cpu``."""
-    from pathlib import Path
-
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(cfg.threads)}
@@ -520,9 +515,6 @@ class LaunchFailed(RuntimeError):
 
 def launch(cfg: ParallelConfig) -> ParallelResult:
     """Start ``cfg.world_size`` processes with ``cfg.launcher`` and collect their results."""
-    import tempfile
-    from pathlib import Path
-
     if cfg.strategy not in STRATEGIES[1:]:
         raise ValueError(f"launch runs {STRATEGIES[1:]}; strategy 'single' is rank_train(cfg)")
     cmd = launch_command(cfg)
@@ -551,10 +543,6 @@ def _run(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
     will never come). Every process of the launch carries a mark in its environment; on
     timeout each one that has it is stopped too (Linux's /proc; elsewhere the session only).
     """
-    import signal
-    import subprocess
-    import uuid
-
     mark = uuid.uuid4().hex
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**env, LAUNCH_MARK: mark}, start_new_session=True)  # fmt: skip
@@ -570,9 +558,6 @@ def _run(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
 
 def _kill_marked(mark: str) -> None:
     """SIGKILL every process whose environment carries ``LAUNCH_MARK=mark`` (Linux)."""
-    import signal
-    from pathlib import Path
-
     wanted = f"{LAUNCH_MARK}={mark}".encode()
     for _ in range(3):  # a process may start another while the first ones are stopped
         found = False
@@ -650,7 +635,7 @@ def rank_memory_bars(memories: dict[str, dict], title: str = "") -> Figure:
     reduce-scatter buffers). Each category's own maximum is stacked, so a stack can exceed the
     peak (the categories peak at different moments); the dot is the real largest total.
     """
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # slow: only figures need it
 
     fig = Figure(figsize=(max(5.5, 1.3 * len(memories) + 3.5), 4), layout="constrained")
     ax = fig.add_subplot()

@@ -18,8 +18,10 @@ import multiprocessing as mp
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,7 +70,7 @@ def make_words(n_words: int, seed: int = 0) -> list[str]:
 
 def make_tokenizer(kind: str = "slow", seed: int = 0):
     """BERT WordPiece tokenizer over ``wordpiece_vocab``: pure Python (slow) or Rust (fast)."""
-    from transformers import BertTokenizer, BertTokenizerLegacy
+    from transformers import BertTokenizer, BertTokenizerLegacy  # slow: tokenizer modules
 
     classes = {"slow": BertTokenizerLegacy, "fast": BertTokenizer}
     if kind not in classes:
@@ -145,8 +147,6 @@ class WindowCollator:
 
 def start_method() -> str | None:
     """``fork`` on Linux, where it starts a worker in milliseconds; else the platform default."""
-    import sys
-
     return "fork" if sys.platform.startswith("linux") else None
 
 
@@ -715,7 +715,7 @@ def trainer_runs(
     # Trainer's own throughput (start-up included) and the DataLoader settings it used.
     check_workers_allowed(max(workers, default=0))
     dev = _device(device)
-    from transformers import Trainer, TrainerCallback
+    from transformers import Trainer, TrainerCallback  # seconds: only this call needs it
 
     torch.set_num_threads(threads)
     docs = Documents(batch_size * (steps + warmup), words_per_doc, seed=0)
@@ -842,8 +842,6 @@ def pin_report(device: str | None = None, nbytes: int = 64 * MiB, claims=()) -> 
 
     On CUDA, ``copies`` compares a pageable and a pinned host buffer copied in turns.
     """
-    import warnings
-
     dev = _device(device)
     docs = Documents(4, 64, seed=0)
     with warnings.catch_warnings(record=True) as caught:

@@ -23,11 +23,14 @@ which is why the fetched weights are counted from DeepSpeed's own parameter stat
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import sys
+import tempfile
 import time
 import types
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -148,9 +151,6 @@ def zero_config(
 
 def _start_deepspeed(device: torch.device):
     """Prepare this (fresh) process for DeepSpeed and import it; returns the module."""
-    import logging
-    import warnings
-
     os.environ.update(one_process_env())
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     # The gloo collectives DeepSpeed calls are deprecated names in recent torch: noise here.
@@ -163,7 +163,7 @@ def _start_deepspeed(device: torch.device):
     muon = types.ModuleType(_MUON)
     muon.MuonWithAuxAdam = type("MuonWithAuxAdam", (), {"__doc__": "Stand-in: Muon is unused."})
     sys.modules.setdefault(_MUON, muon)
-    import deepspeed
+    import deepspeed  # optional; slow, builds ops when imported
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     if device.type == "cpu":
@@ -275,6 +275,7 @@ class ZeroConfig:
 
 def _fetched_counter(module: torch.nn.Module):
     """Bytes of ZeRO-3 parameters gathered right now (DeepSpeed's status of each parameter)."""
+    # optional; slow, builds ops when imported
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     on_device = (ZeroParamStatus.AVAILABLE, ZeroParamStatus.INFLIGHT)
@@ -509,9 +510,7 @@ def train_with_trainer(run: ZeroConfig, steps: int) -> TrainerResult:
     Call it in a fresh process. The Trainer builds its AdamW, hands it and the model to
     DeepSpeed, and trains on the learnable Markov task.
     """
-    import tempfile
-
-    from transformers import Trainer  # quietly: a fresh process runs inside helpers.quiet
+    from transformers import Trainer  # seconds; quiet: a fresh process runs in helpers.quiet
 
     device = resolve(run.device)
     _start_deepspeed(device)
@@ -562,7 +561,7 @@ def widen(config: dict, factor: int) -> dict:
 
 def layer_counts(config) -> tuple[int, int]:
     """(parameters, parameters of the largest single module), counted on the meta device."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # the modeling code: seconds
 
     config = load_config(config)
     with torch.device("meta"):
@@ -605,6 +604,7 @@ def deepspeed_estimates(n_params: int, largest_layer: int) -> dict[str, Estimate
     weights on the GPU (2 B/param) and fp32 master weights, gradients and Adam state.
     """
     try:
+        # optional; slow, builds ops when imported
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
     except Exception:  # not installed, or failing to import: the caller says what it skips
@@ -692,7 +692,7 @@ def plan(
 def host_ram_bytes() -> int:
     """Physical memory of this machine in bytes."""
     try:
-        import psutil
+        import psutil  # optional
 
         return int(psutil.virtual_memory().total)
     except ImportError:
@@ -731,7 +731,7 @@ def timing_mode(records: dict, device=None) -> str:
 
 def placement_figure(device: dict[str, dict[str, int]], host: dict[str, int], budget: int):
     """Two panels: per-run device bytes stacked by category with the budget line; host bytes."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # slow: only figures need it
 
     fig = Figure(figsize=(10, 4.5), layout="constrained")
     left, right = fig.subplots(1, 2, sharey=True)

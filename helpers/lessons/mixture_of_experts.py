@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from helpers.models import build_model, load_config
 
@@ -66,8 +67,7 @@ def train_flops_per_token(
     matmul on its own tokens), which the counter sees op by op; the faster default
     ("grouped_mm") is a single fused call that the counter does not attribute.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # the modeling code: seconds
 
     config = _config(name, top_k)
     extra = {"experts_implementation": "eager"} if hasattr(config, "num_local_experts") else {}
@@ -104,6 +104,7 @@ def router_load(
 
     ``top_k`` overrides the experts each token is routed to.
     """
+    # the modeling code: seconds, for the router calls only
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     config = _config(name, top_k)
@@ -150,8 +151,8 @@ def router_heatmap(shares: list[list[float]], top_k: int, title: str = ""):
     cell. The size grows with the number of layers and experts, so a 12-layer model stays
     as readable as a 2-layer one.
     """
-    from matplotlib.colors import TwoSlopeNorm
-    from matplotlib.figure import Figure
+    from matplotlib.colors import TwoSlopeNorm  # slow: only figures need it
+    from matplotlib.figure import Figure  # slow: only figures need it
 
     n_layers, n_exp = len(shares), len(shares[0])
     fair = 1 / n_exp

@@ -19,15 +19,20 @@ what a section prints, plots and asserts: ``measure_savers`` and ``fused_step_fa
 
 from __future__ import annotations
 
+import copy
 import functools
+import importlib.util
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import pandas as pd
 import torch
 from matplotlib.figure import Figure
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import FlopCounterMode
 
 from helpers import isolate
 from helpers.compat import is_checkpointing
@@ -357,8 +362,6 @@ def packing_samples(scale) -> int:
 
 def sample_lengths(cfg: PackingConfig) -> list[int]:
     """Each sample's length, log-uniform in [min_len, max_len]: many short, a few long."""
-    import math
-
     g = torch.Generator().manual_seed(cfg.seed)
     logs = torch.empty(cfg.samples).uniform_(math.log(cfg.min_len), math.log(cfg.max_len + 1),
                                              generator=g)  # fmt: skip
@@ -374,8 +377,6 @@ def markov_samples(cfg: PackingConfig, vocab_size: int) -> list[torch.Tensor]:
 
 def padded_batch(samples: list[torch.Tensor], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """The samples right-padded to the longest: attention_mask 0 and label -100 on the pads."""
-    from torch.nn.utils.rnn import pad_sequence
-
     ids = pad_sequence(samples, batch_first=True, padding_value=pad_id)  # (B, longest)
     lengths = torch.tensor([len(s) for s in samples])
     mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
@@ -384,7 +385,7 @@ def padded_batch(samples: list[torch.Tensor], pad_id: int = 0) -> dict[str, torc
 
 def packed_batch(samples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The samples in one row by ``DataCollatorWithFlattening``: position ids restart per sample."""
-    from transformers import DataCollatorWithFlattening
+    from transformers import DataCollatorWithFlattening  # data collators: packing only
 
     collate = DataCollatorWithFlattening(return_tensors="pt")
     return collate([{"input_ids": s.tolist()} for s in samples])
@@ -517,7 +518,7 @@ def measure_packing(cfg: PackingConfig, claims=None, timed: bool = True) -> Pack
 
 def batch_picture(lengths: list[int], title: str = "") -> Figure:
     """The same samples padded (a row each) and packed (one row, drawn wrapped at that width)."""
-    from matplotlib.colors import ListedColormap
+    from matplotlib.colors import ListedColormap  # slow: only figures need it
 
     width = max(lengths)
     padded = torch.full((len(lengths), width), -1)
@@ -587,8 +588,6 @@ class LinearLayer:
 
 def torchao_missing() -> str:
     """Why torchao cannot be imported here ("" when it can): it is optional for this course."""
-    import importlib.util
-
     if importlib.util.find_spec("torchao") is None:
         return "torchao is not installed (optional: pip install torchao==0.18.0)"
     return ""
@@ -600,14 +599,13 @@ def converted_layers(model: torch.nn.Module) -> list[LinearLayer]:
     Without torchao (an optional package) ``converted`` is ``fp8_filter``'s decision and
     ``auto`` is None: the conversion itself does not run.
     """
-    import copy
-
     shapes = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     if torchao_missing():
         return [LinearLayer(n, m.in_features, m.out_features, fp8_filter(m, n), None)
                 for n, m in shapes.items()]  # fmt: skip
+    # optional (lesson 16's fp8)
     from torchao.float8 import _auto_filter_for_recipe, convert_to_float8_training
-    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_linear import Float8Linear  # optional (lesson 16's fp8)
 
     auto = _auto_filter_for_recipe("tensorwise", filter_fqns=["lm_head"])
     converted = convert_to_float8_training(copy.deepcopy(model), module_filter_fn=fp8_filter)
@@ -640,8 +638,6 @@ class Fp8Layers:
 
 def fp8_layers(cfg: RunConfig) -> Fp8Layers:
     """The model of ``cfg`` (eager attention, so its matmuls are counted): layers and FLOPs."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     trainee = Trainee(replace(cfg, attn="eager"))
     model, batch = trainee.model, trainee.batch()
     layers = converted_layers(model)
@@ -705,6 +701,7 @@ def fp8_trainee(cfg: RunConfig, fp8: bool, emulate: bool = False) -> Trainee:
     """A Trainee of ``cfg`` whose converted Linear layers run in float8 when ``fp8``."""
     trainee = Trainee(cfg)
     if fp8:
+        # optional (lesson 16's fp8)
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         config = Float8LinearConfig(emulate=emulate)
@@ -809,8 +806,6 @@ class SaverResult:
 
     def record(self, device: dict):
         """The results-store Record of this setting: its memory (view 1); time not measured."""
-        from dataclasses import replace
-
         memory = {**self.timeline.maxima, "peak": self.timeline.peak}
         config = replace(self.config, label=self.label).as_dict()
         return Record(config=config, device=device, n_params=self.predicted.n_params,
@@ -856,8 +851,6 @@ def largest_gradient_bytes(model, device: str = "cpu") -> int:
 def same_training(cfg: RunConfig, steps: int = 3) -> float:
     """Largest |difference| between the weights trained ``steps`` steps with the optimizer
     after backward and inside it (0.0: bitwise the same training)."""
-    from dataclasses import replace
-
     plain, fused = Trainee(cfg), Trainee(replace(cfg, optimizer_in_backward=True))
     for _ in range(steps):
         plain.step(), fused.step()
@@ -885,8 +878,6 @@ class FusedStepFacts:
 def fused_step_facts(cfg: RunConfig) -> FusedStepFacts:
     """``same_training(cfg)``, and ``refusal`` of ``cfg`` stepping inside backward with
     grad_accum=2."""
-    from dataclasses import replace
-
     fused = replace(cfg, optimizer_in_backward=True, grad_accum=2)
     return FusedStepFacts(same_training(cfg), refusal(fused))
 
@@ -920,8 +911,6 @@ def loss_pair(cfg: RunConfig, chunk: int) -> tuple[float, float]:
 
 def fused_loss_skip(device: torch.device) -> str:
     """Why Liger Kernel's fused linear cross-entropy cannot run here ("" when it can)."""
-    import importlib.util
-
     if device.type != "cuda":
         return f"Liger Kernel's fused kernels are Triton kernels for CUDA GPUs; this is {device}"
     if importlib.util.find_spec("liger_kernel") is None:
@@ -931,7 +920,7 @@ def fused_loss_skip(device: torch.device) -> str:
 
 def fused_loss_peak(cfg: RunConfig) -> int:
     """Peak allocated bytes (CUDA) of a step whose loss is Liger's fused linear cross-entropy."""
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # optional
 
     trainee = Trainee(cfg)
     loss_fn = LigerFusedLinearCrossEntropyLoss()
@@ -963,8 +952,6 @@ class ChunkedLossFacts:
 
 def chunked_loss_facts(cfg: RunConfig, chunk: int, device: torch.device) -> ChunkedLossFacts:
     """``loss_pair``, the FLOPs the chunked step adds, and Liger's peak where it can run."""
-    from dataclasses import replace
-
     whole, chunked = loss_pair(cfg, chunk)
     extra = step_flops(replace(cfg, loss_chunk=chunk)) - step_flops(cfg)
     skip = fused_loss_skip(device)

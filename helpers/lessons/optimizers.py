@@ -10,7 +10,10 @@ The state rules themselves are core machinery: ``helpers.optimizer_state``.
 from __future__ import annotations
 
 import importlib.util
+import tempfile
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -38,7 +41,7 @@ def import_bitsandbytes():
     if importlib.util.find_spec("bitsandbytes") is None:
         return None
     with quiet_libraries():
-        import bitsandbytes
+        import bitsandbytes  # optional; asks CUDA when imported
 
     return bitsandbytes
 
@@ -171,11 +174,7 @@ def _trainer_state(model_name: str, optim: str, steps: int, seed: int) -> Traine
 
 def _trained(model, data, optim: str, steps: int, seed: int, device: torch.device):
     """A quiet Trainer with ``optim=optim``, after ``steps`` steps of batch 4 at lr 1e-3."""
-    import tempfile
-    import warnings
-    from pathlib import Path
-
-    from transformers import Trainer
+    from transformers import Trainer  # seconds to import: only this call needs it
 
     args = trainer_arguments(
         str(Path(tempfile.gettempdir()) / "course-trainer-06"), device,
@@ -194,7 +193,7 @@ def _bnb_overrides(model: torch.nn.Module, opt) -> list[tuple]:
     """(module name, attribute, config) of bitsandbytes' 32-bit overrides; [] for torch's."""
     if "bitsandbytes" not in type(opt).__module__:
         return []
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # optional; asks CUDA when imported
 
     manager = bnb.optim.GlobalOptimManager.get_instance()
     names = {id(m): n for n, m in model.named_modules()}

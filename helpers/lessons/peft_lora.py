@@ -19,6 +19,7 @@ from helpers.models import load_config, parse_targets, task_kind
 
 def target_names(model: torch.nn.Module, targets: str = "") -> list[str]:
     """Names of the nn.Linear modules peft adapts for ``targets`` (as RunConfig.lora_targets)."""
+    # optional; imports bitsandbytes
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
 
     wanted = parse_targets(targets)
@@ -54,6 +55,7 @@ def rank_for(model: torch.nn.Module, n_adapter: float, targets: str = "") -> int
 
 def meta_model(config):
     """The model for ``config`` (name, path, dict or config) on the meta device: no storage."""
+    # the model classes import transformers' modeling code: seconds
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config = config if hasattr(config, "model_type") else load_config(config)
@@ -75,8 +77,8 @@ def trainable_counts(model: torch.nn.Module) -> tuple[int, int, int]:
 
 def proportion_figure(x, measured: dict, slopes: dict, xlabel: str, ylabel: str, title: str = ""):
     """Log-log: measured points as markers, y = slope·x as grey reference lines."""
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import NullLocator
+    from matplotlib.figure import Figure  # slow: only figures need it
+    from matplotlib.ticker import NullLocator  # slow: only figures need it
 
     fig = Figure(figsize=(6, 4), layout="constrained")
     ax = fig.add_subplot()

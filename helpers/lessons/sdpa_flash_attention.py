@@ -60,6 +60,7 @@ def manual_attention(q, k, v, causal: bool = True) -> torch.Tensor:
 
 def hf_eager_attention(q, k, v, causal: bool = True) -> torch.Tensor:
     """transformers' own eager attention (the Llama one), with the additive mask HF builds."""
+    # the modeling code: seconds, for this comparison only
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     mask = None
@@ -336,7 +337,7 @@ def power_law_exponent(xs, ys) -> float:
 
 def flash_attn_2_problem(device) -> str | None:
     """None when transformers can use the flash-attn package here, else why not."""
-    from transformers.utils import is_flash_attn_2_available
+    from transformers.utils import is_flash_attn_2_available  # no transformers until asked
 
     device = torch.device(device)
     if not is_cuda(device):

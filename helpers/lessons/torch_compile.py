@@ -24,7 +24,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch._dynamo
 from torch import nn
+from torch._dynamo.utils import counters, guard_failures
+from torch._inductor.utils import clear_caches, run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -102,8 +105,6 @@ def explain(fn: Callable, *args, **kwargs):
 
 def is_compiled(module) -> bool:
     """Whether ``module`` is torch.compile's wrapper around a model (an ``OptimizedModule``)."""
-    import torch._dynamo
-
     return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
 
 
@@ -114,8 +115,6 @@ def short_reason(reason: str) -> str:
 
 def reset_dynamo() -> None:
     """Forget every compiled graph, guard failure and counter (disk caches stay)."""
-    from torch._dynamo.utils import counters
-
     torch._dynamo.reset()
     counters.clear()
 
@@ -131,8 +130,6 @@ class DynamoSummaryResult:
 
 def dynamo_summary() -> DynamoSummaryResult:
     """Graphs compiled, graph breaks and recompile reasons since the last ``reset_dynamo``."""
-    from torch._dynamo.utils import counters, guard_failures
-
     return DynamoSummaryResult(
         graphs=counters["stats"]["unique_graphs"],
         graph_breaks=sum(counters["graph_break"].values()),
@@ -178,8 +175,7 @@ def prepare_compiler(device: torch.device | str = "cpu") -> float:
     compile cost. It uses the cache folder set at the time (normally the default one).
     """
     start = time.perf_counter()
-    import torch._dynamo
-    import torch._inductor.compile_fx
+    import torch._inductor.compile_fx  # timed on purpose: inductor's import is this cost
 
     with quiet_dynamo():
         torch.compile(lambda t: 2 * t + 1)(torch.zeros(8, device=device))
@@ -530,15 +526,15 @@ def step_profile(config: StepProfileConfig) -> StepProfileResult:
     with quiet_dynamo():
         first_s, code = _first_steps(copies, list(copies.models), config.output_code, dev)
         rounds = _steady_steps(copies, list(copies.models), config, dev)
-        counters = _compile_counters()
+        first_counters = _compile_counters()
         if config.warm_rerun:
             warm_first_s, warm_rounds, warm = _warm_rerun(copies, config, dev)
             first_s.update(warm_first_s)
     flops = train_flops(lambda: copies.step("eager"))
     grad_error, grad_max = _gradient_errors(copies.grads)
     return StepProfileResult(
-        prepare_s, config.rows, first_s, rounds, counters, copies.losses, grad_error, grad_max,
-        flops, code, warm_rounds, warm, config,
+        prepare_s, config.rows, first_s, rounds, first_counters, copies.losses, grad_error,
+        grad_max, flops, code, warm_rounds, warm, config,
     )  # fmt: skip
 
 
@@ -564,8 +560,6 @@ def _first_steps(
     code: list[KernelsResult] = []
     for name in names:
         if output_code and name == "inductor":
-            from torch._inductor.utils import run_and_get_code
-
             start = time.perf_counter()
             _, codes = run_and_get_code(copies.step, name, True)
             first_s[name] = time.perf_counter() - start
@@ -589,8 +583,6 @@ def _steady_steps(copies: _Copies, names: Sequence[str], config: StepProfileConf
 
 def _warm_rerun(copies: _Copies, config: StepProfileConfig, device: torch.device):
     """A new inductor copy with only the disk cache left: first step, steady steps, counters."""
-    from torch._inductor.utils import clear_caches
-
     c = config
     reset_dynamo()
     clear_caches()  # inductor's in-memory caches: only the disk cache is left
@@ -613,8 +605,6 @@ def _gradient_errors(grads: dict[str, list[torch.Tensor]]) -> tuple[dict, list[f
 
 def _compile_counters() -> CompileCountersResult:
     """Dynamo's graphs and breaks, and the caches' hits and misses, since ``reset_dynamo``."""
-    from torch._dynamo.utils import counters
-
     summary = dynamo_summary()
     return CompileCountersResult(
         graphs=summary.graphs,
