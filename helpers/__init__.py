@@ -21,6 +21,12 @@ at the top of the file (tests/test_layers.py keeps it so, imports inside functio
    ``fullscale``, ``preflight``, ``cheatsheet``, ``calculator`` (call ``helpers.calculator()``;
    imported on first use), ``gpu_check`` and ``cli`` (``python -m helpers ...``).
 
+Inside functions, modules import only optional or slow packages (bitsandbytes, deepspeed,
+peft, torchao, the Trainer and model classes, matplotlib, pandas: each with its reason), and
+three modules defer helpers imports on purpose: ``course.cli`` and ``course.calculator`` import
+no torch until a command or a widget needs it, ``isolate`` (a notebook's first import) no
+transformers.
+
 Import the submodules you need. Importing this package does nothing else: no printing, no
 files, no global settings.
 """
