@@ -6,9 +6,11 @@ unlike every other in helpers, changes state when imported: it silences them in 
 
 It also asks torch to answer ``torch.cuda.is_available()`` from NVML
 (``PYTORCH_NVML_BASED_CUDA_CHECK=1``, torch's documented fork-safe check). The server must
-never initialise CUDA, or the experiments forked from it could not use the GPU; the preloaded
-libraries do not ask, but with torchao installed (lesson 16's optional fp8 package, which
-transformers imports when it builds a model) the import does.
+never initialise CUDA, or the experiments forked from it could not use the GPU. That check is
+not enough on its own: torchao's import reads the GPU's properties (torch's ``has_triton``),
+and transformers' modeling code imports torchao wherever it is installed, so on a GPU the
+server imports only torch and transformers (``helpers.forkserver.PRELOAD_CUDA``; found on an
+H200, reports/gpu/README.md).
 """
 
 import os
