@@ -169,3 +169,19 @@ def test_search_table_groups_the_planners_search_by_outcome():
     assert table.index.get_level_values(1)[0] == "mb8 x ga1, fp32, adamw, eager"
     assert table["estimated peak MiB"].tolist() == [30, 30, 9, 9, 8, 8, 7]
     assert table.loc["winner (1 of 11)", "why"].item() == "fastest"
+
+
+def test_your_model_plans_in_worker_processes_equal_the_plans_made_here():
+    from helpers.lessons.putting_it_together import _plans_on_cards, your_model_plans
+
+    models, cards, methods = ("llama-tiny", "qwen3-tiny"), ("t4", "l4"), ("full",)
+    plans = your_model_plans(models, cards, methods, workers=2)
+    assert list(plans) == [(m, c, k) for m in models for c in cards for k in methods]
+    here = {}
+    for model in models:
+        for method in methods:
+            here.update(_plans_on_cards(model, method, cards))
+    for key, plan in plans.items():
+        assert (plan.best.label, plan.best.estimated_peak, plan.reason) == (
+            here[key].best.label, here[key].best.estimated_peak, here[key].reason,
+        ), key  # fmt: skip
