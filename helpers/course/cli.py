@@ -94,11 +94,6 @@ def _measure(args) -> int:
     return 0
 
 
-def _run_problem(args) -> str | None:
-    """What is wrong with the run arguments ``estimate`` shares with ``measure``, if anything."""
-    return _run_config(args).problem()
-
-
 def _print_summary(summary: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(summary))
@@ -112,11 +107,12 @@ def _print_summary(summary: dict, as_json: bool) -> None:
 def _estimate(args) -> int:
     from helpers.estimator import estimate_run
 
-    problem = _run_problem(args)
+    cfg = _run_config(args)
+    problem = cfg.problem()  # the run's own checks (RunConfig.problem), before any config read
     if problem:
         return _fail(problem)
     try:
-        est = estimate_run(_run_config(args))
+        est = estimate_run(cfg)
     except (OSError, ValueError, KeyError) as err:  # unreadable config, unknown family, limits
         return _fail(f"cannot estimate {args.model!r}: {type(err).__name__}: {err}")
     fields = (
