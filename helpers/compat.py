@@ -73,7 +73,18 @@ OPTIONAL = [
         "08",
         "the ZeRO runs are skipped; the arithmetic and the plain runs remain",
     ),
-    Package("torchao", "torchao", "16", "fp8 training is explained and predicted, not run"),
+    Package(
+        "torchao",
+        "torchao",
+        "05 16",
+        "bf16 stochastic rounding and fp8 training are explained and predicted, not run",
+    ),
+    Package(
+        "torch-optimi",
+        "optimi",
+        "05",
+        "Kahan-summed bf16 AdamW is explained and predicted, not run",
+    ),
     Package("liger-kernel", "liger_kernel", "16", "the fused cross-entropy is skipped (CUDA only)"),
     Package(
         "nvidia-ml-py",
@@ -279,3 +290,38 @@ def cuda_autocast_fp32_ops(always: frozenset[str]) -> frozenset[str]:
     """CUDA autocast's fp32 list for this torch: ``always`` plus the ops added since."""
     have = _release(torch.__version__)
     return always | {op for op, since in AUTOCAST_FP32_SINCE.items() if have >= since}
+
+
+# --------------------------------------------------------------------------------------------
+# torchao: AdamW with bf16 stochastic rounding. torchao 0.18 exports its full-precision-state
+# AdamW as ``torchao.optim._AdamW`` (the underscore is torchao's; its README's "stochastic
+# rounding for BF16 weight" section teaches ``_AdamW(..., bf16_stochastic_round=True)``), and
+# compiles its step with torch.compile, one graph per parameter shape.
+
+
+def bf16_stochastic_adamw(params, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """torchao's AdamW with ``bf16_stochastic_round=True``: the update computed in fp32 and
+    rounded to a bf16 neighbour at random, with odds set by the distance to each.
+
+    On a CPU its step runs eagerly (``torch.compiler.set_stance("force_eager")`` around it):
+    compiling costs seconds per parameter shape there, and the eager function computes the
+    same update. RuntimeError, saying what to install, without torchao.
+    """
+    try:
+        from torchao.optim import _AdamW
+    except ImportError as err:
+        raise RuntimeError(
+            "bf16_update stochastic needs torchao: pip install torchao "
+            "(or use bf16_update kahan or nearest)"
+        ) from err
+    params = list(params)
+    optimizer = _AdamW(params, lr=lr, bf16_stochastic_round=True)
+    if params and all(p.device.type == "cpu" for p in params):
+        compiled_step = optimizer.step
+
+        def eager_step(closure=None):
+            with torch.compiler.set_stance("force_eager"):
+                return compiled_step(closure)
+
+        optimizer.step = eager_step
+    return optimizer

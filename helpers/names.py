@@ -10,6 +10,72 @@ ATTENTION = ("eager", "sdpa")  # attention kinds the estimator models and the pl
 TRAIN_ATTENTION = (*ATTENTION, "flash_attention_2")
 
 
+# RunConfig.weight_dtype: how the weights, and so their gradients, are stored (lessons 01, 05).
+# "fp32" is the guides' mixed precision: fp32 master weights under autocast. "bf16" keeps no
+# fp32 copy at all, as from_pretrained(..., dtype=torch.bfloat16) and most fine-tuning today.
+WEIGHT_DTYPES = ("fp32", "bf16")
+# RunConfig.state_dtype: the optimizer state's dtype. torch's optimizers (and torchao's and
+# torch-optimi's) make their state like the parameter they train, so "" means exactly that.
+STATE_DTYPES = ("fp32", "bf16")
+# RunConfig.bf16_update: how a bf16 weight takes its AdamW update (lesson 05). "nearest":
+# plain rounding, which loses an update under half a weight's bf16 spacing; "stochastic":
+# torchao's AdamW with bf16 stochastic rounding; "kahan": torch-optimi's AdamW with Kahan
+# summation (one more bf16 buffer per weight that keeps what rounding lost).
+BF16_UPDATES = ("nearest", "stochastic", "kahan")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def trained_dtype(weight_dtype: str, lora_r: int) -> str:
+    """The dtype of the weights that get gradients and optimizer state: LoRA adapters stay
+    fp32 on a bf16 base (peft's ``autocast_adapter_dtype``), every weight otherwise."""
+    return "fp32" if lora_r else weight_dtype
+
+
+def weights_problem(
+    weight_dtype: str, state_dtype: str, bf16_update: str, precision: str, optimizer: str,
+    lora_r: int = 0,
+) -> str | None:  # fmt: skip
+    """What is wrong with how a run stores its weights and optimizer state (one sentence), or
+    None. The one home of these checks, asked by ``RunConfig.problem`` and the estimator."""
+    if weight_dtype == "fp16":
+        return (
+            "weight_dtype fp16 is not a setting: without an fp32 master copy and a loss scale, "
+            "fp16's narrow range loses small gradients and updates; use weight_dtype bf16, or "
+            "precision fp16 (autocast with loss scaling) over fp32 weights"
+        )
+    if weight_dtype not in WEIGHT_DTYPES:
+        return f"unknown weight_dtype {weight_dtype!r}: use one of {', '.join(WEIGHT_DTYPES)}"
+    if weight_dtype == "bf16" and precision != "bf16":
+        return (
+            f"bf16 weights compute in bf16, not {precision}: use precision bf16 (autocast "
+            "over bf16 weights, as the Trainer's bf16=True does with a bf16-loaded model)"
+        )
+    if state_dtype and state_dtype not in STATE_DTYPES:
+        return f"unknown state_dtype {state_dtype!r}: use one of {', '.join(STATE_DTYPES)}"
+    if state_dtype and optimizer == "adamw8bit":
+        return "8-bit AdamW keeps its own 8-bit state: leave state_dtype unset"
+    trained = trained_dtype(weight_dtype, lora_r)
+    if state_dtype and state_dtype != trained:
+        return (
+            f"the optimizers here keep their state in the dtype of the weights they train "
+            f"({trained} here), not {state_dtype}: leave state_dtype unset or change weight_dtype"
+        )
+    if bf16_update not in BF16_UPDATES:
+        return f"unknown bf16_update {bf16_update!r}: use one of {', '.join(BF16_UPDATES)}"
+    if bf16_update != "nearest":
+        if trained != "bf16":
+            return (
+                f"bf16_update {bf16_update} repairs updates of bf16 weights: it needs "
+                "weight_dtype bf16 and full fine-tuning (LoRA adapters train in fp32)"
+            )
+        if optimizer != "adamw":
+            return (
+                f"bf16_update {bf16_update} is an AdamW here (torchao's or torch-optimi's): "
+                "use optimizer adamw"
+            )
+    return None
+
+
 def setting_problem(
     precision: str, optimizer: str, attn: str, batch_size: int, seq_len: int, grad_accum: int,
     attentions: tuple[str, ...] = TRAIN_ATTENTION,

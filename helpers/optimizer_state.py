@@ -20,6 +20,11 @@ _adafactor.py; bitsandbytes/optim/optimizer.py ``Optimizer2State.init_state``):
   share two 256-entry fp32 quantisation maps; smaller tensors, and any parameter registered
   for 32-bit state (the Trainer registers every ``nn.Embedding`` weight), keep two fp32 states.
   The step count is a Python int.
+- AdamW for bf16 weights (lesson 05; torchao/optim/adam.py ``_AdamBase.step``,
+  optimi/optimizer.py and adam.py): torchao's AdamW with stochastic rounding keeps
+  ``exp_avg``/``exp_avg_sq`` like the parameter and a 0-d fp32 ``step`` that it always creates
+  on the CPU; torch-optimi's AdamW with Kahan summation keeps ``exp_avg``, ``exp_avg_sq`` and
+  ``kahan_comp`` like the parameter, and counts its step per parameter group.
 """
 
 from __future__ import annotations
@@ -66,11 +71,13 @@ def expected_state(
     min_8bit_size: int = BNB_MIN_8BIT,
     fused: bool = False,
     impl: str = "torch",
+    bf16_update: str = "nearest",
 ) -> list[StateTensor]:
     """The state ``optimizer`` (course name) will hold for ``model``, from parameter shapes only.
 
     ``fused=True`` keeps torch's step on the parameter's device; ``impl="transformers"`` with
-    ``adafactor`` describes transformers' Adafactor (the Trainer's) instead of torch's.
+    ``adafactor`` describes transformers' Adafactor (the Trainer's) instead of torch's;
+    ``bf16_update`` names the AdamW of bf16 weights (``helpers.train.make_optimizer``).
     """
     embeddings = embedding_params(model) if embeddings_32bit else set()
     params = [
@@ -79,7 +86,7 @@ def expected_state(
     ]
     first = next(model.parameters(), None)
     device_type = "cpu" if first is None else first.device.type
-    return state_tensors(params, optimizer, device_type, min_8bit_size, fused, impl)
+    return state_tensors(params, optimizer, device_type, min_8bit_size, fused, impl, bf16_update)
 
 
 @dataclass(frozen=True)
@@ -100,11 +107,13 @@ def state_tensors(
     min_8bit_size: int = BNB_MIN_8BIT,
     fused: bool = False,
     impl: str = "torch",
+    bf16_update: str = "nearest",
 ) -> list[StateTensor]:
     """The state tensors of ``optimizer`` for ``params`` (anything with the ParamShape fields).
 
     The one place the course's per-optimizer state rules live: lesson 06 checks them against
-    state read back from the optimizers, and ``helpers.estimator`` sums them.
+    state read back from the optimizers, and ``helpers.estimator`` sums them. ``bf16_update``
+    "stochastic" or "kahan" is AdamW as torchao or torch-optimi keep it (``RunConfig``).
     """
     f32, rows, n_8bit = torch.float32, [], 0
     host = not fused and device_type != "cpu"  # torch keeps its step counters on the CPU
@@ -121,13 +130,13 @@ def state_tensors(
                 rows.append(StateTensor(name, "exp_avg_sq", shape, dtype))
             rows.append(StateTensor(name, "RMS", (), dtype))
             continue
-        if optimizer in ("adamw", "adafactor"):
-            rows.append(StateTensor(name, "step", (), f32, host=host))
         if optimizer == "adamw":
-            rows += [StateTensor(name, k, shape, dtype) for k in ("exp_avg", "exp_avg_sq")]
-        elif optimizer == "sgd":
+            rows += _adamw_state(name, shape, dtype, host, device_type, bf16_update)
+            continue
+        if optimizer == "sgd":
             rows.append(StateTensor(name, "momentum_buffer", shape, dtype))
         elif optimizer == "adafactor":
+            rows.append(StateTensor(name, "step", (), f32, host=host))
             if len(shape) > 1:
                 rows.append(StateTensor(name, "row_var", (*shape[:-1], 1), dtype))
                 rows.append(StateTensor(name, "col_var", (*shape[:-2], 1, shape[-1]), dtype))
@@ -147,6 +156,16 @@ def state_tensors(
         owner = SHARED if n_8bit > 1 else next(r.param for r in rows if r.key == "absmax1")
         rows += [StateTensor(owner, k, (BNB_QMAP,), f32) for k in ("qmap1", "qmap2")]
     return rows
+
+
+def _adamw_state(name, shape, dtype, host, device_type, bf16_update) -> list[StateTensor]:
+    """One parameter's AdamW state: torch's, torchao's (stochastic) or torch-optimi's (kahan)."""
+    if bf16_update == "kahan":  # no step tensor: optimi counts steps per group
+        return [StateTensor(name, k, shape, dtype) for k in ("exp_avg", "exp_avg_sq", "kahan_comp")]
+    # torchao makes its step with torch.tensor(0.0): on the CPU, whatever the parameter's device
+    on_host = device_type != "cpu" if bf16_update == "stochastic" else host
+    step = StateTensor(name, "step", (), torch.float32, host=on_host)
+    return [step, *(StateTensor(name, k, shape, dtype) for k in ("exp_avg", "exp_avg_sq"))]
 
 
 def read_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[StateTensor]:

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from helpers import compat, progress
 from helpers import device as device_api
-from helpers import progress
 from helpers.data import MarkovTask, markov_batch, random_batch
 from helpers.device import nvml_used_bytes, resolve
 from helpers.hardware import hardware_report, precision_problem
@@ -25,7 +25,13 @@ from helpers.models import (
     load_config,
     task_kind,
 )
-from helpers.names import AUTOCAST, OPTIMIZERS, seq_len_problem, setting_problem
+from helpers.names import (
+    AUTOCAST,
+    OPTIMIZERS,
+    seq_len_problem,
+    setting_problem,
+    weights_problem,
+)
 from helpers.results import Record
 from helpers.timing import (
     OP_CLASSES,
@@ -52,6 +58,11 @@ class RunConfig:
     seq_len: int = 64
     precision: str = "fp32"
     optimizer: str = "adamw"
+    # How the weights (and their gradients) are stored: "fp32", or "bf16" with no fp32 master
+    # copy (precision must then be bf16). names.WEIGHT_DTYPES.
+    weight_dtype: str = "fp32"
+    state_dtype: str = ""  # the optimizer state's dtype; "" = the trained weights' own
+    bf16_update: str = "nearest"  # bf16 weights' AdamW: nearest | stochastic | kahan (lesson 05)
     gradient_checkpointing: bool = False
     # The course's default. transformers defaults to "sdpa"; eager keeps each layer's s x s
     # attention matrix as a saved activation, which lessons 01 and 04 count. Lesson 10 compares.
@@ -83,7 +94,9 @@ class RunConfig:
         if self.lora_r < 0:
             return f"LoRA rank {self.lora_r}: must be 0 (no LoRA) or positive"
         return setting_problem(self.precision, self.optimizer, self.attn, self.batch_size,
-                               self.seq_len, self.grad_accum)  # fmt: skip
+                               self.seq_len, self.grad_accum) or weights_problem(
+            self.weight_dtype, self.state_dtype, self.bf16_update, self.precision,
+            self.optimizer, self.lora_r)  # fmt: skip
 
     def model_config(self):
         """The model's config, read once for this run; a ValueError that says what to do."""
@@ -101,14 +114,39 @@ class RunConfig:
         return config
 
 
-def make_optimizer(name: str, model: torch.nn.Module, lr: float = 1e-3, params=None):
+def make_optimizer(
+    name: str, model: torch.nn.Module, lr: float = 1e-3, params=None, bf16_update: str = "nearest"
+):
     """The optimizer by course name: adamw, sgd (momentum 0.9), adafactor, adamw8bit.
 
     ``params``: the parameters it updates (default: the model's trainable ones); the model is
-    still what 8-bit AdamW reads its embedding overrides from.
+    still what 8-bit AdamW reads its embedding overrides from. ``bf16_update`` picks the AdamW
+    for bf16 weights with no master copy (lesson 05): "nearest" is torch's own (each update
+    rounded to the nearest bf16), "stochastic" torchao's AdamW with bf16 stochastic rounding,
+    "kahan" torch-optimi's AdamW with Kahan summation.
     """
     if params is None:
         params = [p for p in model.parameters() if p.requires_grad]
+    if bf16_update != "nearest" and name != "adamw":
+        raise ValueError(f"bf16_update {bf16_update} is an AdamW: use optimizer adamw")
+    if name == "adamw" and bf16_update == "stochastic":
+        # The update in fp32, rounded to bf16 up or down with the odds of its distance to
+        # each: unbiased, so updates far below a weight's bf16 spacing still add up.
+        return compat.bf16_stochastic_adamw(params, lr=lr)
+    if name == "adamw" and bf16_update == "kahan":
+        try:
+            import optimi  # torch-optimi: optional (pip install torch-optimi)
+        except ImportError as err:
+            raise RuntimeError(
+                "bf16_update kahan needs torch-optimi: pip install torch-optimi "
+                "(or use bf16_update nearest)"
+            ) from err
+        # torch's AdamW defaults (optimi's own are betas (0.9, 0.99), eps 1e-6), and its loop
+        # over one tensor at a time on every device (no foreach lists, no Triton kernel).
+        # Kahan summation keeps what each rounded update lost in a bf16 buffer (kahan_comp)
+        # and adds it back at the next step.
+        return optimi.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                            kahan_sum=True, foreach=False, triton=False)  # fmt: skip
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr)
     if name == "sgd":
@@ -217,7 +255,8 @@ class Trainee:
             raise ValueError(problem)
         self.config = cfg.model_config()
         self.kind = task_kind(self.config)
-        self.model = build_model(self.config, cfg.attn, self.device, cfg.seed)
+        dtype = torch.bfloat16 if cfg.weight_dtype == "bf16" else torch.float32
+        self.model = build_model(self.config, cfg.attn, self.device, cfg.seed, dtype=dtype)
         if cfg.gradient_checkpointing:
             enable_checkpointing(self.model)
         if cfg.lora_r:  # freeze the weights and add adapters before the optimizer sees them
@@ -241,7 +280,7 @@ class Trainee:
         if c.loss_chunk and self.kind != "causal-lm":
             raise ValueError("loss_chunk applies to causal language models (decoders) only")
         if not c.optimizer_in_backward:
-            return make_optimizer(c.optimizer, self.model)
+            return make_optimizer(c.optimizer, self.model, bf16_update=c.bf16_update)
         if c.grad_accum > 1 or c.precision == "fp16":
             raise ValueError(
                 "optimizer_in_backward steps each parameter as soon as its gradient exists, so "
@@ -251,7 +290,9 @@ class Trainee:
 
         return OptimizerInBackward(
             [p for p in self.model.parameters() if p.requires_grad],
-            lambda one: make_optimizer(c.optimizer, self.model, params=one),
+            lambda one: make_optimizer(
+                c.optimizer, self.model, params=one, bf16_update=c.bf16_update
+            ),
         )
 
     def batch(self) -> dict[str, torch.Tensor]:
@@ -386,7 +427,10 @@ def train_markov(cfg: RunConfig, steps: int, lr: float | None = None) -> TrainRe
     trainee = Trainee(replace(cfg, data="markov"))
     if lr is not None:
         for group in trainee.optimizer.param_groups:
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):  # torchao keeps it a tensor
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
     task = trainee.task
     out = TrainResult(cfg.precision, best_loss=task.entropy_rate, uniform_loss=task.uniform_loss)
     for _ in range(steps):

@@ -137,6 +137,7 @@ def test_the_core_keeps_out_what_a_gpu_image_or_colab_may_lack():
     assert {canonicalize_name(Requirement(r).name) for r in extras["optional"]} == {
         "bitsandbytes",
         "deepspeed",
+        "torch-optimi",
     }
     makefile = (ROOT / "Makefile").read_text()
     assert 'pip install -c requirements/lock.txt -e ".[optional,jupyter,dev]"' in makefile

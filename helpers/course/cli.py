@@ -8,7 +8,16 @@ import os
 import sys
 from pathlib import Path
 
-from helpers.names import ATTENTION, OPTIMIZERS, PRECISIONS, GiB, MiB
+from helpers.names import (
+    ATTENTION,
+    BF16_UPDATES,
+    OPTIMIZERS,
+    PRECISIONS,
+    STATE_DTYPES,
+    WEIGHT_DTYPES,
+    GiB,
+    MiB,
+)
 from helpers.results import default_store, load, save, summary_table
 
 # The other helpers modules (most import torch) are imported inside the command that needs
@@ -53,6 +62,9 @@ def _run_config(args):
         seq_len=args.seq_len,
         precision=args.precision,
         optimizer=args.optimizer,
+        weight_dtype=args.weight_dtype,
+        state_dtype=args.state_dtype,
+        bf16_update=args.bf16_update,
         gradient_checkpointing=args.gradient_checkpointing,
         lora_r=args.lora_r,
         lora_targets=args.lora_targets,
@@ -72,8 +84,8 @@ def _measure(args) -> int:
         record = measure(cfg)
     except ValueError as err:  # a bad setting, a config it cannot read, a precision it lacks
         return _fail(str(err))
-    except RuntimeError as err:
-        if "bitsandbytes" in str(err):
+    except RuntimeError as err:  # an optional package missing: the message says which
+        if "pip install" in str(err):
             return _fail(str(err))
         raise
     if args.save:
@@ -363,6 +375,24 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
     p.add_argument("--optimizer", default="adamw", help=" | ".join(OPTIMIZERS))
+    p.add_argument(
+        "--weight-dtype",
+        default="fp32",
+        help=f"{' | '.join(WEIGHT_DTYPES)}: how weights and their gradients are stored; bf16 "
+        "keeps no fp32 master copy (with --precision bf16)",
+    )
+    p.add_argument(
+        "--state-dtype",
+        default="",
+        help=f"{' | '.join(STATE_DTYPES)}: the optimizer state's dtype (default: that of the "
+        "weights it trains)",
+    )
+    p.add_argument(
+        "--bf16-update",
+        default="nearest",
+        help=f"{' | '.join(BF16_UPDATES)}: how AdamW updates bf16 weights (stochastic: "
+        "torchao's rounding; kahan: torch-optimi's compensated sum)",
+    )
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (peft); 0: train all")
     p.add_argument("--lora-targets", default="", help='LoRA modules: "q_proj,v_proj", "all-linear"')

@@ -15,7 +15,7 @@ from helpers.estimator.qlora import qlora_estimate
 from helpers.estimator.simulate import Estimate, _simulate
 from helpers.estimator.stages import Moment, Stage, _Shape
 from helpers.estimator.state import optimizer_state_bytes, optimizer_step_temporaries
-from helpers.estimator.traced import trace_step
+from helpers.estimator.traced import step_name, trace_step
 from helpers.models import load_config
 from helpers.names import (
     ATTENTION,
@@ -23,6 +23,7 @@ from helpers.names import (
     PRECISION_BYTES,
     seq_len_problem,
     setting_problem,
+    weights_problem,
 )
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ def estimate(
     moments: list | None = None,
     optimizer_in_backward: bool = False,
     loss_chunk: int = 0,
+    weight_dtype: str = "fp32",
+    state_dtype: str = "",
+    bf16_update: str = "nearest",
 ) -> Estimate:
     """Predicted per-category bytes of one steady-state training step (see the module doc).
 
@@ -62,24 +66,52 @@ def estimate(
     ``moments``: a list that receives the stage model's walk through the step, moment by moment
     (``simulate.PredictedMoment``; lesson 15 draws them). Only the analytical path walks the
     step in stages, so ``moments`` asks for it and other architectures raise ValueError.
+    ``weight_dtype``, ``state_dtype`` and ``bf16_update`` are ``RunConfig``'s: bf16 weights
+    with no master copy, estimated on the traced path (the stage model knows fp32 weights).
     """
     _check_setting(precision, optimizer, attn, batch_size, seq_len, grad_accum)
-    info = describe_model(model, attn, lora_r, lora_targets)
+    weights = (weight_dtype, state_dtype, bf16_update)
+    info = _described(model, attn, lora_r, lora_targets, precision, optimizer, *weights)
     problem = seq_len_problem(seq_len, info.config.get("max_position_embeddings"))
     if problem:
         raise ValueError(problem)
     dev = resolve(device)
     savers = _check_savers(info, optimizer_in_backward, loss_chunk, precision, grad_accum)
     if _choose_path(info, path, precision, qlora, moments is not None or savers) == "analytical":
+        # (only fp32 weights get here: _choose_path sends bf16 weights to the traced path)
         z = _Shape(b=batch_size, s=seq_len, ea=PRECISION_BYTES[precision],
                    amp=precision in AUTOCAST, dev=dev.type, chunk=loss_chunk)  # fmt: skip
         return _analytical(info, z, optimizer, gradient_checkpointing, attn, grad_accum, moments,
                            optimizer_in_backward)  # fmt: skip
     step = _traced(info, batch_size, seq_len, precision, optimizer, gradient_checkpointing,
-                   attn, grad_accum, dev.type, frozen_16bit=qlora)  # fmt: skip
+                   attn, grad_accum, dev.type, frozen_16bit=qlora or weight_dtype == "bf16",
+                   bf16_update=bf16_update)  # fmt: skip
     if qlora:
         return qlora_estimate(step, info)
     return step
+
+
+def _described(model, attn, lora_r, lora_targets, precision, optimizer, weight_dtype,
+               state_dtype, bf16_update) -> ModelInfo:  # fmt: skip
+    """``describe_model`` after the weights' checks (``names.weights_problem``): ValueError."""
+    problem = weights_problem(weight_dtype, state_dtype, bf16_update, precision, optimizer,
+                              _lora_rank(model, lora_r))  # fmt: skip
+    if problem:
+        raise ValueError(problem)
+    info = describe_model(model, attn, lora_r, lora_targets, weight_dtype)
+    if info.weight_dtype != weight_dtype:
+        raise ValueError(
+            f"this ModelInfo was described with {info.weight_dtype} weights, not "
+            f"{weight_dtype}: describe_model(..., weight_dtype={weight_dtype!r})"
+        )
+    return info
+
+
+def _lora_rank(model, lora_r: int) -> int:
+    """The LoRA rank a run trains: ``lora_r``, or the adapters a ModelInfo already has."""
+    if isinstance(model, ModelInfo):
+        return 1 if model.n_trainable < model.n_params else 0
+    return lora_r
 
 
 def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool, staged: bool) -> str:
@@ -92,6 +124,12 @@ def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool, staged
         raise ValueError(
             "moments, optimizer_in_backward and loss_chunk come from the analytical stage "
             "model: use path='analytical'"
+        )
+    if info.weight_dtype != "fp32" and (staged or path == "analytical"):
+        raise ValueError(
+            f"the analytical stage model knows fp32 weights; {info.weight_dtype} weights are "
+            "estimated on the traced path (path='traced' or 'auto'), which has no moments, "
+            "optimizer_in_backward or loss_chunk yet"
         )
     if staged:
         path = "analytical"
@@ -106,7 +144,8 @@ def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool, staged
             "QLoRA trains LoRA adapters (lora_r > 0) in 16-bit compute (precision bf16 or "
             "fp16) and is estimated on the traced path"
         )
-    if path == "traced" or info.family == TRACED or (path == "auto" and lora) or qlora:
+    bf16 = info.weight_dtype != "fp32"
+    if path == "traced" or info.family == TRACED or (path == "auto" and lora) or qlora or bf16:
         return "traced"
     return "analytical"
 
@@ -169,7 +208,7 @@ PATHS = ("auto", "analytical", "traced")
 
 
 def _traced(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accum, device_type,
-            frozen_16bit=False):  # fmt: skip
+            frozen_16bit=False, bf16_update="nearest"):  # fmt: skip
     """A traced forward and backward plus the optimizer's exact state and step (traced.py)."""
     config = load_config({k: v for k, v in info.config.items() if k != EXPERTS_KEY})
     lora = [p for p in info.params if ".lora_A." in p.name]
@@ -177,12 +216,12 @@ def _traced(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accu
     targets = ",".join(sorted({p.name.split(".lora_A.")[0].rsplit(".", 1)[-1] for p in lora}))
     t = trace_step(config, batch_size, seq_len, precision, gc, attn, grad_accum, device_type,
                    lora_r, targets, frozen_16bit)  # fmt: skip
-    traced_step = t.steps.get(optimizer)
+    traced_step = t.steps.get(step_name(optimizer, bf16_update))
     if traced_step is not None:  # the CPU: the optimizer's step was traced too
         opt_state, opt_temp = traced_step.optimizer_state, traced_step.temporaries
         step = traced_step.peak
     else:  # from helpers.estimator.state (CUDA's foreach kernels; Adafactor, 8-bit AdamW)
-        state = _training_state(info, optimizer, device_type)
+        state = _training_state(info, optimizer, device_type, bf16_update)
         opt_state, opt_temp = state.optimizer_state, state.step_temporaries
         step = t.params + t.buffers + opt_state + t.gradients + opt_temp + t.leftovers
     # The state is there through forward and backward; the step is one more moment.
@@ -223,7 +262,9 @@ class _State:
     step_temporaries: int  # the optimizer step's own scratch
 
 
-def _training_state(info: ModelInfo, optimizer: str, device_type: str) -> _State:
+def _training_state(
+    info: ModelInfo, optimizer: str, device_type: str, bf16_update: str = "nearest"
+) -> _State:
     """Parameters, buffers, gradients (trainable only) and optimizer state, in bytes."""
 
     def alloc(nbytes: int) -> int:  # a tensor's bytes as the allocator holds them
@@ -231,11 +272,11 @@ def _training_state(info: ModelInfo, optimizer: str, device_type: str) -> _State
 
     trainable = [p for p in info.params if p.trainable]
     return _State(
-        params=sum(alloc(FP32 * p.numel) for p in info.params),
+        params=sum(alloc(p.nbytes) for p in info.params),
         buffers=sum(alloc(b) for b in info.buffer_sizes),
-        gradients=sum(alloc(FP32 * p.numel) for p in trainable),
-        optimizer_state=optimizer_state_bytes(optimizer, trainable, device_type),
-        step_temporaries=optimizer_step_temporaries(optimizer, trainable, device_type),
+        gradients=sum(alloc(p.nbytes) for p in trainable),
+        optimizer_state=optimizer_state_bytes(optimizer, trainable, device_type, bf16_update),
+        step_temporaries=optimizer_step_temporaries(optimizer, trainable, device_type, bf16_update),
     )
 
 
@@ -340,4 +381,7 @@ def estimate_run(cfg: RunConfig) -> Estimate:
         lora_targets=cfg.lora_targets,
         optimizer_in_backward=cfg.optimizer_in_backward,
         loss_chunk=cfg.loss_chunk,
+        weight_dtype=cfg.weight_dtype,
+        state_dtype=cfg.state_dtype,
+        bf16_update=cfg.bf16_update,
     )

@@ -45,11 +45,17 @@ class ParamInfo:
     embedding: bool = False  # an nn.Embedding weight (8-bit AdamW keeps it 32-bit)
     cast: bool = False  # enters an autocast matmul as a Parameter: gets a cached 16-bit copy
     trainable: bool = True
+    dtype: torch.dtype = torch.float32  # as stored: fp32, or bf16 (RunConfig.weight_dtype)
 
     @property
     def numel(self) -> int:
         """Number of elements."""
         return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor (and of its gradient, which has its dtype)."""
+        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ class ModelInfo:
     params: tuple[ParamInfo, ...]  # in model.parameters() order (the optimizer's order)
     buffer_sizes: tuple[int, ...]  # bytes of each buffer (position ids, rotary frequencies...)
     tied: bool  # the LM head shares the input embedding's weight
+    weight_dtype: str = "fp32"  # how the weights are stored (LoRA adapters stay fp32)
 
     @property
     def buffer_bytes(self) -> int:
@@ -115,12 +122,13 @@ def _family(model_type: str) -> str:
 
 
 def describe_model(
-    model, attn: str = "eager", lora_r: int = 0, lora_targets: str = ""
+    model, attn: str = "eager", lora_r: int = 0, lora_targets: str = "", weight_dtype: str = "fp32"
 ) -> ModelInfo:
     """Build ``model`` (name, path, dict or config) on the meta device and list its tensors.
 
     With ``lora_r`` > 0 peft adds LoRA adapters of that rank to ``lora_targets`` (as
     ``RunConfig.lora_targets``) and freezes everything else, as ``helpers.train.Trainee`` does.
+    ``weight_dtype`` "bf16" builds the weights in bf16 (peft's adapters stay fp32).
     """
     if isinstance(model, ModelInfo):
         return model
@@ -132,7 +140,8 @@ def describe_model(
         else AutoModelForCausalLM
     )
     with torch.device("meta"):
-        net = auto.from_config(config, attn_implementation=attn, dtype=torch.float32)
+        dtype = torch.bfloat16 if weight_dtype == "bf16" else torch.float32
+        net = auto.from_config(config, attn_implementation=attn, dtype=dtype)
         if lora_r:
             net = apply_lora(net, lora_r, lora_targets)
     owner = {}  # the first module that holds each parameter (for a tied weight: the embedding)
@@ -152,7 +161,9 @@ def describe_model(
         is_embedding = isinstance(mod, torch.nn.Embedding)
         linear = isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D"
         cast = linear or (not is_embedding and p.dim() == 2)
-        params.append(ParamInfo(name, tuple(p.shape), stage, is_embedding, cast, p.requires_grad))
+        params.append(
+            ParamInfo(name, tuple(p.shape), stage, is_embedding, cast, p.requires_grad, p.dtype)
+        )
     out_emb, in_emb = net.get_output_embeddings(), net.get_input_embeddings()
     tied = out_emb is not None and out_emb.weight is in_emb.weight
     buffers = tuple(b.numel() * b.element_size() for b in net.buffers())
@@ -163,6 +174,7 @@ def describe_model(
         params=tuple(params),
         buffer_sizes=buffers,
         tied=tied,
+        weight_dtype=weight_dtype,
     )
 
 

@@ -60,25 +60,44 @@ def training_state(
     )
 
 
-def optimizer_state_bytes(optimizer: str, params, device_type: str = "cpu") -> int:
+def optimizer_state_bytes(
+    optimizer: str, params, device_type: str = "cpu", bf16_update: str = "nearest"
+) -> int:
     """Exact optimizer-state bytes for ``params`` (ParamInfo, or anything with shape/numel).
 
     The per-optimizer rules are ``helpers.optimizer_state.state_tensors`` (lesson 06 checks them
     tensor by tensor against real optimizers). On CUDA the bytes are the tracker's: each
     tensor rounded up to 512 B, and torch's step counters left out (they live on the CPU).
     """
-    rows = state_tensors(params, optimizer, device_type)
+    rows = state_tensors(params, optimizer, device_type, bf16_update=bf16_update)
     return tracked_bytes(rows, torch.device(device_type))
 
 
-def optimizer_step_temporaries(optimizer: str, params, device_type: str = "cpu") -> int:
-    """Largest scratch memory the optimizer's step allocates, as the tracker sees it."""
-    sizes = [FP32 * math.prod(p.shape) for p in params if getattr(p, "trainable", True)]
+def optimizer_step_temporaries(
+    optimizer: str, params, device_type: str = "cpu", bf16_update: str = "nearest"
+) -> int:
+    """Largest scratch memory the optimizer's step allocates, as the tracker sees it.
+
+    Scratch tensors have their parameter's dtype (fp32 or bf16). ``bf16_update``: torch-optimi's
+    Kahan loop holds one ``exp_avg_sq.sqrt()`` at a time on every device; torchao's stochastic
+    rounding is compiled into fused kernels on a GPU (no scratch counted: not yet measured on
+    one) and on a CPU runs eagerly, where only its trace knows the scratch (traced path).
+    """
+    trainable = [p for p in params if getattr(p, "trainable", True)]
+    sizes = [_elem(p) * math.prod(p.shape) for p in trainable]
     if not sizes or optimizer in ("sgd", "adamw8bit"):
         # SGD updates in place. 8-bit AdamW: fused CUDA kernels; on the CPU its kernel is a
         # custom op whose scratch tensors the tracker cannot see.
         return 0
-    trainable = [p for p in params if getattr(p, "trainable", True)]
+    if optimizer == "adamw" and bf16_update == "kahan":
+        return max(sizes)
+    if optimizer == "adamw" and bf16_update == "stochastic":
+        if device_type == "cpu":
+            raise ValueError(
+                "the scratch of torchao's eager step on a CPU is known from its trace only: "
+                "install torchao to estimate bf16_update stochastic on a CPU"
+            )
+        return 0
     if device_type != "cpu":  # foreach implementations: one scratch list over all tensors
         if optimizer == "adamw":
             return sum(sizes)  # exp_avg_sq.sqrt() for every tensor at once
@@ -93,9 +112,15 @@ def optimizer_step_temporaries(optimizer: str, params, device_type: str = "cpu")
         else:  # adafactor
             if len(p.shape) >= 2:
                 *lead, rows, cols = p.shape
-                means = FP32 * math.prod(lead) * (rows + cols)
-                worst = max(worst, size + previous + means)  # row_var @ col_var, previous one
+                means = _elem(p) * math.prod(lead) * (rows + cols)
+                # row_var @ col_var, the previous one, and row_var.mean()'s one number
+                worst = max(worst, size + previous + means + _elem(p) * math.prod(lead))
             else:
                 worst = max(worst, 2 * size + previous)  # grad*grad and variance.clone()
         previous = size
     return worst
+
+
+def _elem(p) -> int:
+    """Bytes per element of a parameter (ParamInfo, ParamShape or tensor): fp32 by default."""
+    return getattr(p, "dtype", torch.float32).itemsize

@@ -88,6 +88,15 @@ _DUNDER = {"__pow__": "pow", "__rpow__": "pow"}
 # (.item()) and 8-bit AdamW builds its quantisation map from numbers; a fake tensor has none,
 # so their step comes from helpers.estimator.state (exact, tests/test_estimate.py).
 TRACED_OPTIMIZERS = ("adamw", "sgd")
+# The AdamWs for bf16 weights (RunConfig.bf16_update), traced where their package is installed
+# and every trained weight is bf16: torch-optimi's Kahan loop, torchao's stochastic rounding
+# (its eager step, as helpers.compat runs it on a CPU).
+BF16_UPDATE_PACKAGES = {"kahan": "optimi", "stochastic": "torchao"}
+
+
+def step_name(optimizer: str, bf16_update: str = "nearest") -> str:
+    """The key of an optimizer's traced step in ``Traced.steps``: "adamw", "adamw+kahan"..."""
+    return optimizer if bf16_update == "nearest" else f"{optimizer}+{bf16_update}"
 
 
 @dataclass(frozen=True)
@@ -313,7 +322,8 @@ def _trace(config, b, s, precision, gc, attn, accum, device_type, lora_r, lora_t
         # On CUDA the optimizers run foreach kernels and keep step counters on the host:
         # helpers.estimator.state accounts for that from PyTorch's sources instead.
         steps = {} if cuda else {
-            name: _trace_optimizer(name, model, at_step.leftovers) for name in TRACED_OPTIMIZERS
+            step_name(name, update): _trace_optimizer(name, model, at_step.leftovers, update)
+            for name, update in _traced_steps(model)
         }  # fmt: skip
     traced = Traced(
         params=peaks.params,
@@ -432,14 +442,25 @@ def _moment_name(key: tuple, n: int) -> str:
     return f"{phase}: {where[role] if role else 'after ' + where[last] if last else 'model'}"
 
 
-def _trace_optimizer(name: str, model, leftovers: int) -> StepBytes:
+def _traced_steps(model) -> list[tuple[str, str]]:
+    """(optimizer, bf16_update) pairs to trace: every traced optimizer, and the bf16 AdamWs
+    whose package is installed when every trained weight is bf16."""
+    pairs = [(name, "nearest") for name in TRACED_OPTIMIZERS]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if trained and all(p.dtype == torch.bfloat16 for p in trained):
+        pairs += [("adamw", update) for update, module in BF16_UPDATE_PACKAGES.items()
+                  if compat.importable(module)]  # fmt: skip
+    return pairs
+
+
+def _trace_optimizer(name: str, model, leftovers: int, bf16_update: str = "nearest") -> StepBytes:
     """One steady-state step of optimizer ``name`` over ``model``'s fake gradients, tracked.
 
     A first, untracked step creates the state, as the warm-up step of a real run does.
     ``leftovers`` are the bytes the training step still holds besides the model state when
     it calls ``optimizer.step()`` (its loss tensors).
     """
-    optimizer = make_optimizer(name, model)
+    optimizer = make_optimizer(name, model, bf16_update=bf16_update)
     optimizer.step()
     tracker = CategoryTracker(device=torch.device("cpu"), module_peaks=False)
     tracker.track_external(model, optimizer)

@@ -1,0 +1,181 @@
+"""bf16 weights with no fp32 master copy (RunConfig.weight_dtype, state_dtype, bf16_update):
+measured by the tracker and estimated on fake tensors, every category to the byte; the
+optimizers' state rules against the state they really hold; every refused combination."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.compat import importable
+from helpers.course import cli
+from helpers.device import allocation_bytes
+from helpers.estimator import describe_model, estimate, estimate_run
+from helpers.memory import CategoryTracker
+from helpers.optimizer_state import (
+    ParamShape,
+    expected_state,
+    read_state,
+    state_tensors,
+    tracked_bytes,
+)
+from helpers.train import RunConfig, Trainee, make_optimizer
+
+CATEGORIES = ("params", "buffers", "gradients", "optimizer_state", "activations",
+              "temporaries", "weight_copies", "peak")  # fmt: skip
+BF16 = dict(precision="bf16", weight_dtype="bf16")
+# What needs a package: torchao's stochastic rounding is not in make test's lock (it comes with
+# requirements/gpu-extras.txt), torch-optimi's Kahan summation is.
+NEEDS = {"stochastic": "torchao", "kahan": "optimi"}
+SETTINGS = {
+    "adamw": {},
+    "sgd": {"optimizer": "sgd"},
+    "adafactor": {"optimizer": "adafactor"},
+    "adamw8bit": {"optimizer": "adamw8bit"},
+    "kahan": {"bf16_update": "kahan"},
+    "stochastic": {"bf16_update": "stochastic"},
+    "lora on a bf16 base": {"lora_r": 4, "lora_targets": "all-linear"},
+    "checkpointing+sdpa": {"gradient_checkpointing": True, "attn": "sdpa"},
+    "accumulate 2": {"grad_accum": 2},
+}
+
+
+def needs(setting: dict) -> None:
+    module = NEEDS.get(setting.get("bf16_update", ""))
+    if setting.get("optimizer") == "adamw8bit":
+        module = "bitsandbytes"
+    if module and not importable(module):
+        pytest.skip(f"{module} is not installed")
+
+
+def measured(cfg: RunConfig):
+    """One steady-state step of ``cfg`` on this CPU, tracked (as ``helpers.train.measure``)."""
+    trainee = Trainee(cfg)
+    trainee.step()
+    tracker = CategoryTracker(device=trainee.device)
+    tracker.track_external(trainee.model, trainee.optimizer)
+    with tracker:
+        trainee.step()
+    return tracker.peaks()
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("model", ["llama-tiny", "bert-tiny", "gpt2-tiny"])
+def test_bf16_weights_estimated_to_the_byte(model, setting):
+    needs(SETTINGS[setting])
+    cfg = RunConfig(model=model, batch_size=2, seq_len=32, device="cpu", **BF16,
+                    **SETTINGS[setting])  # fmt: skip
+    est, real = estimate_run(cfg), measured(cfg)
+    assert est.path == "traced"
+    for key in CATEGORIES:
+        assert getattr(est, key) == getattr(real, key), key
+    if not cfg.lora_r:  # autocast has nothing to cast; peft's fp32 adapters it does cast
+        assert est.weight_copies == 0
+
+
+def test_bf16_weights_halve_the_model_state():
+    """Per parameter: weights 2 B, gradients 2 B, AdamW state 4 B (+ one 4 B step per tensor)."""
+    cfg = RunConfig(model="llama-tiny", batch_size=1, seq_len=16, device="cpu", **BF16)
+    trainee = Trainee(cfg)
+    trainee.step()
+    n, tensors = trainee.n_params, trainee.n_tensors
+    assert all(p.dtype == torch.bfloat16 for p in trainee.model.parameters())
+    real = measured(cfg)
+    assert (real.params, real.gradients) == (2 * n, 2 * n)
+    assert real.optimizer_state == 4 * n + 4 * tensors
+    mixed = measured(RunConfig(model="llama-tiny", batch_size=1, seq_len=16, device="cpu",
+                               precision="bf16"))  # fmt: skip
+    assert mixed.params == 2 * real.params and mixed.optimizer_state == 8 * n + 4 * tensors
+
+
+KEYS = {
+    "nearest": {"step", "exp_avg", "exp_avg_sq"},
+    "kahan": {"exp_avg", "exp_avg_sq", "kahan_comp"},
+    "stochastic": {"step", "exp_avg", "exp_avg_sq"},
+}
+
+
+@pytest.mark.parametrize("update", list(KEYS))
+def test_state_rules_are_the_state_each_adamw_holds(update):
+    needs({"bf16_update": update})
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).bfloat16()
+    optimizer = make_optimizer("adamw", model, bf16_update=update)
+    model(torch.randn(3, 8, dtype=torch.bfloat16)).sum().backward()
+    optimizer.step()
+    real = sorted((r.param, r.key, r.shape, r.dtype) for r in read_state(model, optimizer))
+    rules = expected_state(model, "adamw", bf16_update=update)
+    assert real == sorted((r.param, r.key, r.shape, r.dtype) for r in rules)
+    assert {r.key for r in rules} == KEYS[update]
+
+
+def test_on_a_gpu_torchaos_step_counters_stay_on_the_host():
+    """torchao makes each step with torch.tensor(0.0), on the CPU, whatever the device."""
+    weight = ParamShape("w", (1000, 24), dtype=torch.bfloat16)
+    rows = state_tensors([weight], "adamw", "cuda", bf16_update="stochastic")
+    assert [r.key for r in rows if r.host] == ["step"]
+    assert tracked_bytes(rows, "cuda") == 2 * 48128  # 48,000 B each, in 512 B blocks
+
+
+@pytest.mark.parametrize("update", ["kahan", "stochastic"])
+def test_a_gpu_estimate_of_the_bf16_adamws(update):
+    """On CUDA the state comes from the rules (no step is traced there): Kahan's third buffer
+    counts, in 512 B blocks; torchao's step counters, on the host, do not."""
+    est = {u: estimate("llama-tiny", 2, 32, "bf16", device="cuda", weight_dtype="bf16",
+                       bf16_update=u) for u in ("nearest", update)}  # fmt: skip
+    third = sum(allocation_bytes(p.nbytes, "cuda")
+                for p in describe_model("llama-tiny", weight_dtype="bf16").params)  # fmt: skip
+    extra = est[update].optimizer_state - est["nearest"].optimizer_state
+    assert extra == (third if update == "kahan" else 0)
+
+
+REFUSED = {
+    "fp16 weights": (dict(precision="fp16", weight_dtype="fp16"), "use weight_dtype bf16"),
+    "bf16 weights in fp32 compute": (dict(weight_dtype="bf16"), "use precision bf16"),
+    "bf16 weights under fp16 autocast": (dict(precision="fp16", weight_dtype="bf16"), "bf16"),
+    "a state dtype for 8-bit AdamW": (dict(optimizer="adamw8bit", state_dtype="bf16"), "8-bit"),
+    "bf16 state over fp32 weights": (dict(state_dtype="bf16"), "leave state_dtype unset"),
+    "fp32 state over bf16 weights": (dict(**BF16, state_dtype="fp32"), "(bf16 here)"),
+    "an unknown state dtype": (dict(state_dtype="fp8"), "unknown state_dtype"),
+    "stochastic rounding of fp32 weights": (dict(bf16_update="stochastic"), "weight_dtype bf16"),
+    "Kahan for LoRA adapters": (dict(**BF16, bf16_update="kahan", lora_r=4), "full fine-tuning"),
+    "Kahan with SGD": (dict(**BF16, bf16_update="kahan", optimizer="sgd"), "use optimizer adamw"),
+    "an unknown update": (dict(**BF16, bf16_update="round"), "unknown bf16_update"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_contradictory_weight_settings_are_refused_in_one_line(case, capsys):
+    setting, words = REFUSED[case]
+    cfg = RunConfig(model="llama-tiny", batch_size=1, seq_len=16, device="cpu", **setting)
+    problem = cfg.problem()
+    assert problem and words in problem and "\n" not in problem
+    with pytest.raises(ValueError) as err:
+        Trainee(cfg)
+    assert str(err.value) == problem
+    with pytest.raises(ValueError) as err:
+        estimate_run(cfg)
+    assert str(err.value) == problem
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in setting.items() if k != "lora_r"]
+    flags += [f"--lora-r={setting['lora_r']}"] if "lora_r" in setting else []
+    argv = ["estimate", "--model", "llama-tiny", "--batch-size", "1", "--seq-len", "16", *flags]
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert capsys.readouterr().err.strip() == f"error: {problem}"
+
+
+def test_an_optional_package_missing_is_one_line(monkeypatch, capsys):
+    """Without torch-optimi (or torchao) the run says what to install, and the CLI exits 2."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_optimi(name, *args, **kwargs):
+        if name == "optimi":
+            raise ImportError("No module named 'optimi'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_optimi)
+    argv = ["measure", "--model", "llama-tiny", "--batch-size", "1", "--seq-len", "16",
+            "--precision", "bf16", "--weight-dtype", "bf16", "--bf16-update", "kahan",
+            "--device", "cpu", "--no-flops"]  # fmt: skip
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert "pip install torch-optimi" in capsys.readouterr().err
