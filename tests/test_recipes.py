@@ -23,7 +23,7 @@ import pytest
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 NAMES = sorted(p.stem for p in RECIPES.glob("*.py"))
 LIBRARIES = {"torch", "transformers", "accelerate", "peft", "bitsandbytes", "deepspeed",
-             "datasets", "torchao"}  # fmt: skip
+             "datasets", "torchao", "optimi"}  # fmt: skip
 # Recipes that start processes or a process group run in a fresh process, as a learner runs them.
 LAUNCHED = {"ddp": "torchrun", "fsdp2": "torchrun", "deepspeed_offload": "python",
             "accelerate_loop": "python"}  # fmt: skip
@@ -33,7 +33,8 @@ def test_every_technique_the_course_teaches_has_a_recipe():
     wanted = {"base", "accumulation", "checkpointing", "mixed_precision", "optimizers",
               "accelerate_loop", "deepspeed_offload", "attention", "data_loading", "compile",
               "lora", "optimizer_in_backward", "selective_checkpointing", "activation_offload",
-              "chunked_loss", "packing", "fp8", "ddp", "fsdp2", "profile_memory"}  # fmt: skip
+              "chunked_loss", "packing", "fp8", "ddp", "fsdp2", "profile_memory",
+              "pure_bf16"}  # fmt: skip
     assert wanted <= set(NAMES), f"missing: {sorted(wanted - set(NAMES))}"
 
 
@@ -138,6 +139,7 @@ SAME_SETTING = {
     "accumulation": ((), {"grad_accum": 4}, {"activations": 4}),
     "checkpointing": ((), {"gradient_checkpointing": True}, {}),
     "mixed_precision": ((), {"precision": "bf16"}, {}),
+    "pure_bf16": ((), {"precision": "bf16", "weight_dtype": "bf16", "bf16_update": "kahan"}, {}),
     "optimizers": ((), {"optimizer": "adafactor"}, {}),
     "lora": ((), {"lora_r": 16, "lora_targets": "all-linear"}, {}),
     "chunked_loss": ((), {"loss_chunk": 128}, {}),
