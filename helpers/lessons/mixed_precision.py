@@ -141,9 +141,10 @@ def measure_series(cfgs: Sequence) -> list:
     return [isolate.run(cfg, isolate=False) for cfg in progress(cfgs, "memory runs")]
 
 
-def markov_runs(cfgs: Sequence, steps: int) -> list[TrainResult]:
-    """``helpers.train.train_markov`` of each RunConfig in turn, in this process (isolate it)."""
-    return [train_markov(cfg, steps) for cfg in progress(cfgs, "training runs")]
+def markov_runs(cfgs: Sequence, steps: int, lr: float | None = None) -> list[TrainResult]:
+    """``helpers.train.train_markov`` of each RunConfig in turn, in this process (isolate it);
+    ``lr`` replaces the optimizers' learning rate."""
+    return [train_markov(cfg, steps, lr) for cfg in progress(cfgs, "training runs")]
 
 
 def scaler_trace(
@@ -270,12 +271,19 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
-def loss_figure(runs: Mapping[str, TrainResult], reference: str = "fp32") -> Figure:
+def loss_figure(
+    runs: Mapping[str, TrainResult],
+    reference: str = "fp32",
+    title: str = "The learnable task in each precision",
+) -> Figure:
     """Left: loss curves and the task's best and uniform losses; right: minus ``reference``.
 
     Per-step losses of small batches are noisy, so both panels show a moving average over
-    a thirtieth of the run (at least 1 step), named in the axis labels.
+    a thirtieth of the run (at least 1 step), named in the axis labels. Each precision has its
+    colour; runs of one precision (section 8's optimizers) get a colour each.
     """
+    precisions = [run.precision for run in runs.values()]
+    by_run = len(set(precisions)) < len(precisions)
     fig = Figure(figsize=(11, 4), layout="constrained")
     left, right = fig.subplots(1, 2)
     styles = ["-", "--", ":", "-."]
@@ -286,7 +294,7 @@ def loss_figure(runs: Mapping[str, TrainResult], reference: str = "fp32") -> Fig
         smooth = moving_average(run.losses, window)
         style = {
             "label": name,
-            "color": FORMAT_COLORS.get(run.precision),
+            "color": f"C{i}" if by_run else FORMAT_COLORS.get(run.precision),
             "linestyle": styles[i % len(styles)],
             "linewidth": 2.5 if i == 0 else 1.5,
         }
@@ -301,8 +309,8 @@ def loss_figure(runs: Mapping[str, TrainResult], reference: str = "fp32") -> Fig
         left.annotate(label, (1, y), xytext=(0, 3), textcoords="offset points", fontsize="small")
     mean_of = f" (mean of {window} steps)" if window > 1 else ""
     left.set_ylabel(f"training loss, nats/token{mean_of}")
-    left.set_title("The learnable task in each precision")
-    right.set_ylabel(f"loss minus the {reference} run's loss{mean_of}")
+    left.set_title(title)
+    right.set_ylabel(f"loss minus {reference}'s{mean_of}")
     right.set_title(f"Difference from {reference}, step by step")
     for ax in (left, right):
         ax.set_xlabel("optimizer step")
