@@ -62,6 +62,10 @@ def task_kind(config: PretrainedConfig) -> str:
     return "classify" if config.model_type in ENCODER_TYPES else "causal-lm"
 
 
+# RunConfig.weight_dtype -> the dtype the model is built in (names.WEIGHT_DTYPES).
+WEIGHT_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def build_model(
     config: PretrainedConfig,
     attn: str = "eager",

@@ -13,7 +13,8 @@ TRAIN_ATTENTION = (*ATTENTION, "flash_attention_2")
 # RunConfig.weight_dtype: how the weights, and so their gradients, are stored (lessons 01, 05).
 # "fp32" is the guides' mixed precision: fp32 master weights under autocast. "bf16" keeps no
 # fp32 copy at all, as from_pretrained(..., dtype=torch.bfloat16) and most fine-tuning today.
-WEIGHT_DTYPES = ("fp32", "bf16")
+# "fp16": a frozen LoRA base in fp16 (cards without bf16, such as a T4); never trained in fp16.
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
 # RunConfig.state_dtype: the optimizer state's dtype. torch's optimizers (and torchao's and
 # torch-optimi's) make their state like the parameter they train, so "" means exactly that.
 STATE_DTYPES = ("fp32", "bf16")
@@ -22,7 +23,7 @@ STATE_DTYPES = ("fp32", "bf16")
 # torchao's AdamW with bf16 stochastic rounding; "kahan": torch-optimi's AdamW with Kahan
 # summation (one more bf16 buffer per weight that keeps what rounding lost).
 BF16_UPDATES = ("nearest", "stochastic", "kahan")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def trained_dtype(weight_dtype: str, lora_r: int) -> str:
@@ -37,18 +38,19 @@ def weights_problem(
 ) -> str | None:  # fmt: skip
     """What is wrong with how a run stores its weights and optimizer state (one sentence), or
     None. The one home of these checks, asked by ``RunConfig.problem`` and the estimator."""
-    if weight_dtype == "fp16":
+    if weight_dtype == "fp16" and not lora_r:
         return (
-            "weight_dtype fp16 is not a setting: without an fp32 master copy and a loss scale, "
+            "fp16 weights are a frozen LoRA base only: trained without an fp32 master copy, "
             "fp16's narrow range loses small gradients and updates; use weight_dtype bf16, or "
             "precision fp16 (autocast with loss scaling) over fp32 weights"
         )
     if weight_dtype not in WEIGHT_DTYPES:
         return f"unknown weight_dtype {weight_dtype!r}: use one of {', '.join(WEIGHT_DTYPES)}"
-    if weight_dtype == "bf16" and precision != "bf16":
+    if weight_dtype != "fp32" and precision != weight_dtype:
         return (
-            f"bf16 weights compute in bf16, not {precision}: use precision bf16 (autocast "
-            "over bf16 weights, as the Trainer's bf16=True does with a bf16-loaded model)"
+            f"{weight_dtype} weights compute in {weight_dtype}, not {precision}: use precision "
+            f"{weight_dtype} (autocast over {weight_dtype} weights, as the Trainer's "
+            f"{weight_dtype}=True does with a model loaded in {weight_dtype})"
         )
     if state_dtype and state_dtype not in STATE_DTYPES:
         return f"unknown state_dtype {state_dtype!r}: use one of {', '.join(STATE_DTYPES)}"

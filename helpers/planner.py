@@ -32,7 +32,17 @@ from helpers.estimator import Estimate, describe_model, estimate
 from helpers.hardware import REFERENCE_CARDS, precision_problem
 from helpers.isolate import call_isolated, compare_runs
 from helpers.memory import CategoryTracker, memory_budget
-from helpers.names import ATTENTION, AUTOCAST, PRECISIONS, GiB, KiB, MiB, TiB, human_bytes
+from helpers.names import (
+    ATTENTION,
+    AUTOCAST,
+    PRECISIONS,
+    GiB,
+    KiB,
+    MiB,
+    TiB,
+    human_bytes,
+    weights_problem,
+)
 from helpers.progress import progress
 from helpers.scale import get_scale
 from helpers.timing import Claim
@@ -86,13 +96,21 @@ class Candidate:
     fits: bool
     cost: float  # rough relative time per optimizer step (only to choose what to measure)
     estimate: Estimate | None = field(default=None, compare=False, repr=False)
+    weight_dtype: str = "fp32"  # RunConfig.weight_dtype: "bf16" keeps no fp32 master copy
+    bf16_update: str = "nearest"  # RunConfig.bf16_update (kahan for full bf16 fine-tuning)
 
     @property
     def label(self) -> str:
-        """A short description, e.g. ``mb4 x ga2, bf16, adamw, sdpa, checkpointing``."""
+        """A short description, e.g. ``mb4 x ga2, bf16, adamw, sdpa, checkpointing``; bf16
+        weights add ``bf16 weights`` (and the update, e.g. ``+kahan``)."""
+        weights = []
+        if self.weight_dtype != "fp32":
+            update = "" if self.bf16_update == "nearest" else f"+{self.bf16_update}"
+            weights = [f"{self.weight_dtype} weights{update}"]
         parts = [
             f"mb{self.micro_batch} x ga{self.grad_accum}",
             self.precision,
+            *weights,
             self.optimizer,
             self.attn,
         ] + (["checkpointing"] if self.gradient_checkpointing else [])
@@ -108,6 +126,8 @@ class Candidate:
             seq_len=seq_len,
             precision=self.precision,
             optimizer=self.optimizer,
+            weight_dtype=self.weight_dtype,
+            bf16_update=self.bf16_update,
             gradient_checkpointing=self.gradient_checkpointing,
             attn=self.attn,
             grad_accum=self.grad_accum,
@@ -183,6 +203,28 @@ def available_optimizers(names=DEFAULT_OPTIMIZERS) -> list[str]:
     return [o for o in names if o != "adamw8bit" or have_bnb]
 
 
+# How the planner updates bf16 weights in full fine-tuning: Kahan summation (torch-optimi,
+# pure Python, so it runs on every device; its extra 2 bytes per parameter are counted).
+# Plain rounding stalls at small learning rates (lesson 05, section 8); LoRA's adapters stay
+# fp32 on a bf16 base and need no remedy.
+BF16_FULL_UPDATE = "kahan"
+
+
+def weight_settings(precisions, optimizers, lora: bool, qlora: bool) -> list[tuple[str, str]]:
+    """(weight_dtype, bf16_update) pairs to search: fp32 weights always; for full fine-tuning
+    bf16 weights where bf16 is among ``precisions``, with Kahan's AdamW when AdamW is searched
+    (only AdamW has the remedy); under LoRA a frozen base in each searched 16-bit precision
+    (not for QLoRA, whose base is already 4- and 16-bit)."""
+    out = [("fp32", "nearest")]
+    if qlora:
+        return out
+    if lora:  # a 16-bit frozen base: bf16, or fp16 where the card has no bf16 (a T4)
+        return out + [(half, "nearest") for half in ("bf16", "fp16") if half in precisions]
+    if "bf16" in precisions and "adamw" in optimizers:
+        return [*out, ("bf16", BF16_FULL_UPDATE)]
+    return out
+
+
 def predicted_cost(c: Candidate, seq_len: int, device_type: str) -> float:
     """Rough relative time of one optimizer step, used only to pick which candidates to time.
 
@@ -215,11 +257,15 @@ def candidates(
     lora_targets: str = "",
     qlora: bool = False,
     report: Callable[[int, int], None] | None = None,
+    weights=None,
 ) -> list[Candidate]:
     """Every configuration of the search space with its estimated peak; cheapest fitting first.
 
     A candidate fits when its estimated peak is within ``usable_budget(budget, device)``.
     ``lora_r`` > 0 trains LoRA adapters (``qlora``: on 4-bit weights, 16-bit precisions only).
+    ``weights``: (weight_dtype, bf16_update) pairs; default ``weight_settings``: fp32 weights,
+    and bf16 weights with no master copy where bf16 is searched. bf16 weights train in bf16
+    only, with AdamW (Kahan's) in full fine-tuning and any optimizer under LoRA.
     A traced model takes a second or two per new setting: ``report(done, total)`` is called
     after each estimate; without it a progress bar counts them.
     """
@@ -229,24 +275,39 @@ def candidates(
     if qlora:
         precisions = [p for p in precisions if p in AUTOCAST]
     optimizers = list(optimizers or available_optimizers())
-    infos = {attn: describe_model(model, attn, lora_r, lora_targets) for attn in attentions}
+    weights = list(weights or weight_settings(precisions, optimizers, lora_r > 0, qlora))
+    infos = {
+        (attn, wd): describe_model(model, attn, lora_r, lora_targets, wd)
+        for attn in attentions
+        for wd in {wd for wd, _ in weights}
+    }
+    space = [
+        s
+        for s in itertools.product(
+            _divisors(effective_batch), checkpointing, precisions, optimizers, attentions, weights
+        )
+        if _searchable(s[2], s[3], *s[5], lora_r > 0)
+    ]
     out = []
-    space = list(
-        itertools.product(_divisors(effective_batch), checkpointing, precisions, optimizers,
-                          attentions)
-    )  # fmt: skip
     steps = progress(space, "estimating setups", unit="setup") if report is None else space
-    for micro, gc, prec, opt, attn in steps:
+    for micro, gc, prec, opt, attn, (wd, update) in steps:
         accum = effective_batch // micro
-        est = estimate(infos[attn], micro, seq_len, prec, opt, gc, attn, accum, device=dev,
-                       qlora=qlora)  # fmt: skip
-        c = Candidate(micro, accum, gc, prec, opt, attn, est.peak, est.peak <= limit, 0.0, est)
+        est = estimate(infos[attn, wd], micro, seq_len, prec, opt, gc, attn, accum, device=dev,
+                       qlora=qlora, weight_dtype=wd, bf16_update=update)  # fmt: skip
+        c = Candidate(micro, accum, gc, prec, opt, attn, est.peak, est.peak <= limit, 0.0, est,
+                      wd, update)  # fmt: skip
         out.append(replace(c, cost=predicted_cost(c, seq_len, dev.type)))
         if report is not None:
             report(len(out), len(space))
     rank = {name: i for i, name in enumerate(optimizers)}  # ties: the order asked for
     out.sort(key=lambda c: (not c.fits, c.cost, rank[c.optimizer], c.estimated_peak))
     return out
+
+
+def _searchable(precision: str, optimizer: str, weight_dtype: str, update: str, lora: bool) -> bool:
+    """Whether a combination is a setting at all (``names.weights_problem``)."""
+    from_names = weights_problem(weight_dtype, "", update, precision, optimizer, int(lora))
+    return from_names is None
 
 
 def shortlist(cands: list[Candidate], k: int = 6) -> list[Candidate]:
@@ -259,7 +320,7 @@ def shortlist(cands: list[Candidate], k: int = 6) -> list[Candidate]:
     fitting = [c for c in cands if c.fits]
     picked, seen = [], set()
     for c in fitting:
-        key = (c.precision, c.optimizer, c.attn, c.gradient_checkpointing)
+        key = _kind(c)
         if key not in seen and len(picked) < k:
             picked.append(c)
             seen.add(key)
@@ -359,7 +420,8 @@ def plan(
         raise ValueError(f"device {dev} is not on this machine: the plan times candidates here")
     seq_len = seq_len or get_scale(device=dev).seq_len
     info = describe_model(model, "eager")
-    weights = _weights_within(info, budget)
+    bf16 = "bf16" in (space.get("precisions") or available_precisions(dev))
+    weights = _weights_within(info, budget, 2 if bf16 or space.get("lora_r") else 4)
     cands = candidates(model, budget, effective_batch, seq_len, dev, **space)
     fitting = [c for c in cands if c.fits]
     measured = [
@@ -389,14 +451,16 @@ def plan(
     )
 
 
-def _weights_within(info, budget: int) -> int:
-    """The fp32 weights' bytes; ValueError when the budget cannot hold even those."""
-    weights = 4 * info.n_params + info.buffer_bytes
+def _weights_within(info, budget: int, per_param: int = 4) -> int:
+    """The weights' bytes at ``per_param`` bytes each (4: fp32, 2: bf16, the least the search
+    can store them in); ValueError when the budget cannot hold even those."""
+    weights = per_param * info.n_params + info.buffer_bytes
     if budget < weights:
+        dtype = {4: "fp32", 2: "16-bit"}.get(per_param, f"{per_param}-byte")
         raise ValueError(
             f"a budget of {human_bytes(budget)} is below the weights alone "
             f"({human_bytes(weights)} for "
-            f"{info.n_params:,} fp32 parameters): no configuration can fit"
+            f"{info.n_params:,} {dtype} parameters): no configuration can fit"
         )
     return weights
 
@@ -410,6 +474,8 @@ def _variant(cands: list[Candidate], c: Candidate, **changes) -> Candidate | Non
         "precision": c.precision,
         "optimizer": c.optimizer,
         "attn": c.attn,
+        "weight_dtype": c.weight_dtype,
+        "bf16_update": c.bf16_update,
         **changes,
     }
     return next((x for x in cands if all(getattr(x, k) == v for k, v in want.items())), None)
@@ -424,6 +490,8 @@ def _savings(c: Candidate, cands: list[Candidate]) -> tuple[list[str], list[str]
          {"micro_batch": c.micro_batch * c.grad_accum, "grad_accum": 1}),
         (c.gradient_checkpointing, "no checkpointing", {"gradient_checkpointing": False}),
         (c.optimizer != "adamw", "AdamW", {"optimizer": "adamw"}),
+        (c.weight_dtype != "fp32", "fp32 weights",
+         {"weight_dtype": "fp32", "bf16_update": "nearest"}),
         (c.precision not in ("fp32", "tf32"), "fp32", {"precision": "fp32"}),
     ]  # fmt: skip
     needed, optional, unsearched = [], [], []
@@ -555,8 +623,9 @@ def search_outcomes(result: Plan, cands: list[Candidate]) -> list[SearchOutcome]
 
 
 def _kind(c: Candidate) -> tuple:
-    """What ``shortlist`` keeps varied: precision, optimizer, attention, checkpointing."""
-    return (c.precision, c.optimizer, c.attn, c.gradient_checkpointing)
+    """What ``shortlist`` keeps varied: precision, optimizer, attention, checkpointing and the
+    weights' dtype."""
+    return (c.precision, c.optimizer, c.attn, c.gradient_checkpointing, c.weight_dtype)
 
 
 # -------------------------------------------------------------------------------------------

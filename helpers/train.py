@@ -18,6 +18,7 @@ from helpers.hardware import hardware_report, precision_problem
 from helpers.memory import CategoryTracker, allocator_peaks, memory_budget, reset_device_peaks
 from helpers.memory_savers import ChunkedCausalLMLoss, OptimizerInBackward
 from helpers.models import (
+    WEIGHT_TORCH_DTYPES,
     apply_lora,
     build_model,
     count_params,
@@ -255,7 +256,7 @@ class Trainee:
             raise ValueError(problem)
         self.config = cfg.model_config()
         self.kind = task_kind(self.config)
-        dtype = torch.bfloat16 if cfg.weight_dtype == "bf16" else torch.float32
+        dtype = WEIGHT_TORCH_DTYPES[cfg.weight_dtype]
         self.model = build_model(self.config, cfg.attn, self.device, cfg.seed, dtype=dtype)
         if cfg.gradient_checkpointing:
             enable_checkpointing(self.model)

@@ -84,7 +84,7 @@ def estimate(
         return _analytical(info, z, optimizer, gradient_checkpointing, attn, grad_accum, moments,
                            optimizer_in_backward)  # fmt: skip
     step = _traced(info, batch_size, seq_len, precision, optimizer, gradient_checkpointing,
-                   attn, grad_accum, dev.type, frozen_16bit=qlora or weight_dtype == "bf16",
+                   attn, grad_accum, dev.type, frozen_16bit=qlora or weight_dtype != "fp32",
                    bf16_update=bf16_update)  # fmt: skip
     if qlora:
         return qlora_estimate(step, info)

@@ -13,7 +13,7 @@ from transformers import (
     PretrainedConfig,
 )
 
-from helpers.models import apply_lora, load_config, task_kind
+from helpers.models import WEIGHT_TORCH_DTYPES, apply_lora, load_config, task_kind
 
 FP32 = 4
 
@@ -140,7 +140,7 @@ def describe_model(
         else AutoModelForCausalLM
     )
     with torch.device("meta"):
-        dtype = torch.bfloat16 if weight_dtype == "bf16" else torch.float32
+        dtype = WEIGHT_TORCH_DTYPES[weight_dtype]
         net = auto.from_config(config, attn_implementation=attn, dtype=dtype)
         if lora_r:
             net = apply_lora(net, lora_r, lora_targets)
