@@ -105,12 +105,15 @@ def test_two_shallow_traces_give_the_deep_one(model, dev, precision, gc, attn, a
     config = deep(model)
     assert T.layer_plan(config) is not None  # 7 layers: extrapolated
     setting = (2, 32, precision, gc, attn, accum, dev, lora, "", False)
-    whole, _ = T._trace(config, *setting)
+    whole, _, kept = T._trace(config, *setting)
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
-    lines = T._trace_cached.__wrapped__(key, *setting)
+    traces = T._trace_cached.__wrapped__(key, *setting)
     for f in dataclasses.fields(whole):
         if f.name != "peak_at":  # named differently ("layer 6"), the same moment
-            assert getattr(lines, f.name) == getattr(whole, f.name), f.name
+            assert getattr(traces.traced, f.name) == getattr(whole, f.name), f.name
+    if dev == "cpu":  # the optimizers' steps, traced on the shallow models and extrapolated
+        for optimizer in T.TRACED_OPTIMIZERS:
+            assert traces.step(optimizer) == T._trace_optimizer(optimizer, kept), optimizer
 
 
 def test_layers_that_differ_are_traced_whole():

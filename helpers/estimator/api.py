@@ -215,7 +215,7 @@ def _traced(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accu
     lora_r = lora[0].shape[0] if lora else 0
     targets = ",".join(sorted({p.name.split(".lora_A.")[0].rsplit(".", 1)[-1] for p in lora}))
     t = trace_step(config, batch_size, seq_len, precision, gc, attn, grad_accum, device_type,
-                   lora_r, targets, frozen_16bit)  # fmt: skip
+                   lora_r, targets, frozen_16bit, optimizer, bf16_update)  # fmt: skip
     traced_step = t.steps.get(step_name(optimizer, bf16_update))
     if traced_step is not None:  # the CPU: the optimizer's step was traced too
         opt_state, opt_temp = traced_step.optimizer_state, traced_step.temporaries

@@ -48,7 +48,7 @@ import copy
 import functools
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import _meta_registrations as torch_meta
@@ -111,7 +111,7 @@ class StepBytes:
 @dataclass(frozen=True)
 class Traced:
     """What one traced forward and backward held, per category (bytes), and where it peaked;
-    on the CPU, each optimizer's step traced after it (``steps``, by course name)."""
+    on the CPU, the optimizer steps asked for, traced after it (``steps``, by ``step_name``)."""
 
     params: int
     buffers: int
@@ -122,7 +122,7 @@ class Traced:
     peak: int  # without optimizer state (the caller adds it)
     peak_at: str
     leftovers: int  # held besides the model state when the optimizer runs (the loss tensors)
-    steps: dict[str, StepBytes]  # the optimizers traced (CPU: AdamW and SGD)
+    steps: dict[str, StepBytes]  # the optimizer steps traced (CPU, on request: trace_step)
 
 
 class CudaSemantics(TorchFunctionMode):
@@ -198,23 +198,82 @@ def trace_step(
     lora_r: int,
     lora_targets: str,
     frozen_16bit: bool = False,
+    optimizer: str | None = None,
+    bf16_update: str = "nearest",
 ) -> Traced:
     """One forward and backward (two with accumulation) of ``config`` on fake tensors, tracked.
 
-    ``frozen_16bit``: the model is built in bf16 and LoRA adapters (fp32, as peft keeps them)
-    train on it, as QLoRA's unquantised weights are kept (``helpers.estimator.qlora``).
+    ``frozen_16bit``: the model is built in 16 bits and LoRA adapters (fp32, as peft keeps
+    them) train on it, as QLoRA's unquantised weights and a bf16 or fp16 base are kept
+    (``helpers.estimator.qlora``); without LoRA every weight is bf16 (``weight_dtype``).
+    ``optimizer`` (with ``bf16_update``): on the CPU, that optimizer's step is traced after
+    the backward, on the same fake model, when its step can run on fake tensors
+    (``Traced.steps`` then holds it under ``step_name``).
 
     Deep models are traced at two small depths and extrapolated (``layer_depths``). Cached:
     the same model and setting is traced once per process (the planner asks for one trace
-    per micro-batch, checkpointing, precision and attention; optimizers are added).
+    per micro-batch, checkpointing, precision and attention), and each optimizer's step once
+    on it.
     """
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
     amp = precision in AUTOCAST  # fp16 and bf16 hold the same bytes, as do fp32 and tf32
     dtype = "bf16" if amp else "fp32"
-    return _trace_cached(
+    traced = _trace_cached(
         key, batch_size, seq_len, dtype, gradient_checkpointing, attn, min(grad_accum, 2),
         device_type, lora_r, lora_targets, frozen_16bit,
     )  # fmt: skip
+    if optimizer is None or not traced.steppable(optimizer, bf16_update):
+        return traced.traced
+    name = step_name(optimizer, bf16_update)
+    return replace(traced.traced, steps={name: traced.step(optimizer, bf16_update)})
+
+
+@dataclass
+class _Kept:
+    """A traced fake model kept for its optimizer steps: the model, its fake mode, and the
+    bytes the training step held besides the model state when the optimizer ran."""
+
+    model: torch.nn.Module
+    mode: FakeTensorMode
+    leftovers: int
+
+
+@dataclass
+class TraceSet:
+    """A setting's trace (``traced``, without optimizer steps) and the fake models behind it:
+    the whole model, or the shallow ones and how many more layers of each kind the full
+    model has. ``step`` traces an optimizer's step on them once, and extrapolates it."""
+
+    traced: Traced
+    base: _Kept | None  # None on CUDA: its steps come from helpers.estimator.state
+    lines: list[tuple[_Kept, int]]
+    _steps: dict[str, StepBytes] = field(default_factory=dict)
+
+    def steppable(self, optimizer: str, bf16_update: str = "nearest") -> bool:
+        """Whether this optimizer's step is traced here (the CPU; a step fake tensors run)."""
+        if self.base is None:
+            return False
+        if bf16_update == "nearest":
+            return optimizer in TRACED_OPTIMIZERS
+        module = BF16_UPDATE_PACKAGES.get(bf16_update)
+        trained = [p for p in self.base.model.parameters() if p.requires_grad]
+        bf16 = bool(trained) and all(p.dtype == torch.bfloat16 for p in trained)
+        return optimizer == "adamw" and bf16 and module is not None and compat.importable(module)
+
+    def step(self, optimizer: str, bf16_update: str = "nearest") -> StepBytes:
+        """The optimizer's steady-state step, traced on the kept models (cached)."""
+        name = step_name(optimizer, bf16_update)
+        if name not in self._steps:
+            assert self.base is not None
+            base = _trace_optimizer(optimizer, self.base, bf16_update)
+            ups = [(_trace_optimizer(optimizer, kept, bf16_update), x) for kept, x in self.lines]
+
+            def line(f: str) -> int:
+                v0 = getattr(base, f)
+                return v0 + sum((getattr(v1, f) - v0) * x for v1, x in ups)
+
+            self._steps[name] = StepBytes(*(line(f) for f in StepBytes.__dataclass_fields__))
+        return self._steps[name]
 
 
 @functools.lru_cache(maxsize=256)
@@ -223,15 +282,18 @@ def _trace_cached(key, b, s, precision, gc, attn, accum, device_type, lora_r, lo
     setting = (b, s, precision, gc, attn, accum, device_type, lora_r, lora_targets, half)
     plan = layer_plan(config)
     if plan is None:
-        return _trace(config, *setting)[0]
+        traced, _, kept = _trace(config, *setting)
+        return TraceSet(traced, kept, [])
     small, plus = plan
-    base, base_moments = _trace(_with_layers(config, small), *setting)
-    lines = []
+    base, base_moments, base_kept = _trace(_with_layers(config, small), *setting)
+    lines, kept_lines = [], []
     for kind, types in plus.items():
-        one_more, moments = _trace(_with_layers(config, types), *setting)
+        one_more, moments, kept = _trace(_with_layers(config, types), *setting)
         extra = _count(config, kind) - small.count(kind)  # the full model's other layers
         lines.append((one_more, moments, extra))
-    return _extrapolate(base, base_moments, lines, config.num_hidden_layers)
+        kept_lines.append((kept, extra))
+    traced = _extrapolate(base, base_moments, lines, config.num_hidden_layers)
+    return TraceSet(traced, base_kept, kept_lines if base_kept else [])
 
 
 # Config fields that make one layer unlike another (a dense layer among experts, ...): a
@@ -315,16 +377,14 @@ def _trace(config, b, s, precision, gc, attn, accum, device_type, lora_r, lora_t
         with (
             tracker,
             semantics or contextlib.nullcontext(),
-        ):  # the course's step; the optimizer's is traced below
+        ):  # the course's step; TraceSet.step traces an optimizer's on the kept model
             train_step(model, at_step, (batch for _ in range(accum)), accumulate=accum,
                        precision=precision)  # fmt: skip
         peaks = tracker.peaks()
-        # On CUDA the optimizers run foreach kernels and keep step counters on the host:
-        # helpers.estimator.state accounts for that from PyTorch's sources instead.
-        steps = {} if cuda else {
-            step_name(name, update): _trace_optimizer(name, model, at_step.leftovers, update)
-            for name, update in _traced_steps(model)
-        }  # fmt: skip
+    # On CUDA the optimizers run foreach kernels and keep step counters on the host:
+    # helpers.estimator.state accounts for that from PyTorch's sources instead. On the CPU
+    # the fake model is kept, and TraceSet.step traces an optimizer's step on it when asked.
+    kept = None if cuda else _Kept(model, mode, at_step.leftovers)
     traced = Traced(
         params=peaks.params,
         buffers=peaks.buffers,
@@ -335,9 +395,9 @@ def _trace(config, b, s, precision, gc, attn, accum, device_type, lora_r, lora_t
         peak=peaks.peak,
         peak_at=tracker.peak_where,
         leftovers=at_step.leftovers,
-        steps=steps,
+        steps={},
     )
-    return traced, tracker.moments
+    return traced, tracker.moments, kept
 
 
 def _layers_name(model, n: int) -> str | None:
@@ -415,21 +475,12 @@ def _extrapolate(base: Traced, m0: dict, lines: list, n: int) -> Traced:
         for k in keys
     }
     top = max(rows, key=lambda k: rows[k]["total"])
-
-    def steps_of(name: str) -> StepBytes:
-        def field(f: str) -> int:
-            return line(
-                getattr(base.steps[name], f), [(getattr(t.steps[name], f), x) for t, _, x in lines]
-            )
-
-        return StepBytes(field("optimizer_state"), field("temporaries"), field("peak"))
-
     return Traced(
         **{f: max(r[f] for r in rows.values()) for f in MOMENT_FIELDS if f != "total"},
         peak=rows[top]["total"],
         peak_at=_moment_name(top, n),
         leftovers=line(base.leftovers, [(t.leftovers, x) for t, _, x in lines]),
-        steps={name: steps_of(name) for name in base.steps},
+        steps={},
     )
 
 
@@ -442,33 +493,23 @@ def _moment_name(key: tuple, n: int) -> str:
     return f"{phase}: {where[role] if role else 'after ' + where[last] if last else 'model'}"
 
 
-def _traced_steps(model) -> list[tuple[str, str]]:
-    """(optimizer, bf16_update) pairs to trace: every traced optimizer, and the bf16 AdamWs
-    whose package is installed when every trained weight is bf16."""
-    pairs = [(name, "nearest") for name in TRACED_OPTIMIZERS]
-    trained = [p for p in model.parameters() if p.requires_grad]
-    if trained and all(p.dtype == torch.bfloat16 for p in trained):
-        pairs += [("adamw", update) for update, module in BF16_UPDATE_PACKAGES.items()
-                  if compat.importable(module)]  # fmt: skip
-    return pairs
+def _trace_optimizer(name: str, kept: _Kept, bf16_update: str = "nearest") -> StepBytes:
+    """One steady-state step of optimizer ``name`` over a kept model's fake gradients, tracked.
 
-
-def _trace_optimizer(name: str, model, leftovers: int, bf16_update: str = "nearest") -> StepBytes:
-    """One steady-state step of optimizer ``name`` over ``model``'s fake gradients, tracked.
-
-    A first, untracked step creates the state, as the warm-up step of a real run does.
-    ``leftovers`` are the bytes the training step still holds besides the model state when
-    it calls ``optimizer.step()`` (its loss tensors).
+    A first, untracked step creates the state, as the warm-up step of a real run does. The
+    kept ``leftovers`` are the bytes the training step still held besides the model state
+    when it called ``optimizer.step()`` (its loss tensors).
     """
-    optimizer = make_optimizer(name, model, bf16_update=bf16_update)
-    optimizer.step()
-    tracker = CategoryTracker(device=torch.device("cpu"), module_peaks=False)
-    tracker.track_external(model, optimizer)
-    with tracker:
+    with quiet_libraries(), kept.mode:
+        optimizer = make_optimizer(name, kept.model, bf16_update=bf16_update)
         optimizer.step()
-    peaks = tracker.peaks()
-    del optimizer
-    return StepBytes(peaks.optimizer_state, peaks.temporaries, peaks.peak + leftovers)
+        tracker = CategoryTracker(device=torch.device("cpu"), module_peaks=False)
+        tracker.track_external(kept.model, optimizer)
+        with tracker:
+            optimizer.step()
+        peaks = tracker.peaks()
+        del optimizer
+    return StepBytes(peaks.optimizer_state, peaks.temporaries, peaks.peak + kept.leftovers)
 
 
 class _NoStep:

@@ -25,7 +25,7 @@ from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 from helpers.forkserver import context
 from helpers.hardware import REFERENCE_CARDS, precision_problem
 from helpers.names import MiB
-from helpers.planner import OUTCOMES, card_precisions, plan_for_card
+from helpers.planner import BF16_FULL_UPDATE, OUTCOMES, card_precisions, plan_for_card
 from helpers.plots import legend_outside, separate_labels
 from helpers.progress import progress, quiet_here
 from helpers.results import Record
@@ -249,11 +249,17 @@ YOUR_BATCH = 2  # effective batch: micro-batches 1 or 2 (each a trace per settin
 LORA_R = 16  # LoRA rank on every Linear of the layers ("all-linear"), as in the QLoRA paper
 
 
-def your_model_space(card) -> dict:
+def your_model_space(card, method: str = "full") -> dict:
     """The search: the card's 16-bit precision, SDPA, with or without checkpointing, AdamW
-    or 8-bit AdamW (optimizers are free; each other choice costs one trace)."""
+    or 8-bit AdamW (optimizers are free; each other choice costs one trace), and the weights
+    as practitioners keep them today: a LoRA base in 16 bits, full fine-tuning in bf16 with
+    Kahan's AdamW where the card has bf16 (fp32 weights on one without)."""
     half = "bf16" if "bf16" in card_precisions(card) else "fp16"
-    return {"precisions": (half,), "attentions": ("sdpa",), "optimizers": ("adamw", "adamw8bit")}
+    weights = {"lora": [(half, "nearest")], "full": [("bf16", BF16_FULL_UPDATE)]}
+    if half != "bf16":
+        weights["full"] = [("fp32", "nearest")]
+    space = {"precisions": (half,), "attentions": ("sdpa",), "optimizers": ("adamw", "adamw8bit")}
+    return {**space, "weights": weights[method]} if method in weights else space
 
 
 def your_model_plans(models=YOUR_MODELS, cards=YOUR_CARDS, methods=("full", "lora", "qlora"),
@@ -285,7 +291,7 @@ def _plans_on_cards(model, method: str, cards) -> dict:
         card = REFERENCE_CARDS[name]
         plans[model, name, method] = plan_for_card(
             model, card, YOUR_BATCH, YOUR_SEQ_LEN, method, LORA_R, "all-linear",
-            **your_model_space(card),
+            **your_model_space(card, method),
         )  # fmt: skip
     return plans
 
