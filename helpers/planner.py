@@ -52,27 +52,30 @@ DEFAULT_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")  # SGD is not a drop-in
 GC_COST = 4 / 3  # checkpointing repeats the forward: (1 + 1 + 2) / (1 + 2) of a step's FLOPs
 MICRO_BATCH_OVERHEAD_TOKENS = 128  # fixed cost of a micro-batch (launches, Python), in tokens
 
+# SI units are powers of ten (a GB is 10**9 bytes, as a card's box quotes it), binary units
+# powers of two (a GiB is 2**30, what allocators count); a bare K, M, G or T is binary.
 _UNITS = {
     "": 1,
     "b": 1,
     "k": KiB,
-    "kb": KiB,
+    "kb": 10**3,
     "kib": KiB,
     "m": MiB,
-    "mb": MiB,
+    "mb": 10**6,
     "mib": MiB,
     "g": GiB,
-    "gb": GiB,
+    "gb": 10**9,
     "gib": GiB,
     "t": TiB,
-    "tb": TiB,
+    "tb": 10**12,
     "tib": TiB,
 }
 
 
 def parse_bytes(text: str) -> int:
-    """``"16GB"``, ``"16 GiB"``, ``"512MiB"``, ``"1e9"`` -> bytes (GB and GiB both mean 2**30,
-    as GPU memory is quoted: a "16 GB" card has 16 GiB)."""
+    """``"16GB"``, ``"16 GiB"``, ``"512MiB"``, ``"1e9"`` -> bytes. GB, MB, KB and TB are powers
+    of ten (16GB = 16 x 10**9), GiB, MiB, KiB and TiB and a bare G, M, K or T powers of two
+    (16GiB = 16 x 2**30); ``bytes_read_as`` says which, for a learner."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size: use e.g. 16GB, 512MiB or a byte count")
@@ -80,6 +83,24 @@ def parse_bytes(text: str) -> int:
     if value <= 0:
         raise ValueError(f"a size must be positive, got {text!r}")
     return int(value)
+
+
+_POWERS = {"k": (3, 10), "m": (6, 20), "g": (9, 30), "t": (12, 40)}  # SI and binary exponents
+
+
+def bytes_read_as(text: str) -> str:
+    """How ``parse_bytes`` read ``text``, in words: ``16GB = 16,000,000,000 bytes (14.9 GiB);
+    GB is 10^9 bytes, write 16GiB for 2^30``."""
+    nbytes = parse_bytes(text)
+    match = re.fullmatch(r"\s*(\S*?[0-9.])\s*([a-zA-Z]*)\s*", str(text))
+    number, unit = match.group(1), match.group(2)
+    out = f"{number}{unit} = {nbytes:,} bytes ({human_bytes(nbytes)})"
+    if unit.lower() in ("kb", "mb", "gb", "tb"):
+        si, binary = _POWERS[unit[0].lower()]
+        out += (
+            f"; {unit.upper()} is 10^{si} bytes, write {number}{unit[0].upper()}iB for 2^{binary}"
+        )
+    return out
 
 
 @dataclass(frozen=True)
@@ -719,4 +740,4 @@ def explain_for_card(best, cands, card, usable: int, method: str) -> str:
         f"estimated peak is {human_bytes(best.estimated_peak)} "
         f"({100 * best.estimated_peak / usable:.0f}% of that). "
     )
-    return text + _savings_text(best, cands, "predicted slower")
+    return text + _savings_text(best, cands, "but were predicted slower")

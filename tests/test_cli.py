@@ -126,14 +126,18 @@ def test_the_run_options_reach_the_runconfig():
     args = parser().parse_args([
         "measure", "--model", "gpt2-tiny", "--batch-size", "3", "--seq-len", "17",
         "--precision", "bf16", "--optimizer", "sgd", "--gradient-checkpointing",
-        "--lora-r", "2", "--lora-targets", "c_attn", "--attn", "sdpa", "--device", "cpu",
-        "--warmup", "2", "--repeats", "5", "--no-flops",
+        "--lora-r", "2", "--lora-targets", "c_attn", "--attn", "eager", "--device", "cpu",
+        "--warmup", "2", "--repeats", "5", "--no-flops", "--weight-dtype", "bf16",
+        "--state-dtype", "fp32", "--bf16-update", "kahan",
     ])  # fmt: skip
     assert _run_config(args) == RunConfig(
         model="gpt2-tiny", batch_size=3, seq_len=17, precision="bf16", optimizer="sgd",
-        gradient_checkpointing=True, lora_r=2, lora_targets="c_attn", attn="sdpa",
-        device="cpu", warmup=2, repeats=5, flops=False,
+        gradient_checkpointing=True, lora_r=2, lora_targets="c_attn", attn="eager",
+        device="cpu", warmup=2, repeats=5, flops=False, weight_dtype="bf16",
+        state_dtype="fp32", bf16_update="kahan",
     )  # fmt: skip
     argv = ["estimate", "--model", "bert-tiny", "--batch-size", "2", "--seq-len", "8"]
     defaults = _run_config(parser().parse_args(argv))
-    assert defaults == RunConfig(model="bert-tiny", batch_size=2, seq_len=8)
+    # RunConfig's own defaults, but for attention: a learner's model on the command line gets
+    # transformers' default, SDPA (the lessons' eager keeps the attention matrices they count).
+    assert defaults == RunConfig(model="bert-tiny", batch_size=2, seq_len=8, attn="sdpa")

@@ -228,7 +228,8 @@ def test_cli_estimate_json_is_the_estimate(capsys):
     argv = "estimate --model bert-tiny --batch-size 2 --seq-len 32 --device cpu --json".split()
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    est = estimate("bert-tiny", 2, 32, device="cpu")
+    est = estimate("bert-tiny", 2, 32, device="cpu", attn="sdpa")  # the command line's default
+    assert data["attn"] == "sdpa"
     for key in ("n_params", "params", "gradients", "optimizer_state", "activations", "peak"):
         assert isinstance(data[key], int) and data[key] == getattr(est, key)
 

@@ -19,17 +19,25 @@ MODEL, SEQ, BATCH, BUDGET = "bert-tiny", 64, 8, 12 * MiB
 @pytest.mark.parametrize(
     "text, expected",
     [
-        ("16GB", 16 * GiB),
+        ("16GB", 16 * 10**9),  # as a card's box quotes it
         ("16 GiB", 16 * GiB),
         ("512MiB", 512 * MiB),
         ("1e9", 10**9),
-        ("64mb", 64 * MiB),
+        ("64mb", 64 * 10**6),
         ("1.5G", int(1.5 * GiB)),
         ("4096", 4096),
     ],
 )
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
+
+
+def test_parse_bytes_says_how_it_read_a_size():
+    from helpers.planner import bytes_read_as
+
+    assert bytes_read_as("16GB").startswith("16GB = 16,000,000,000 bytes (14.9 GiB)")
+    assert "write 16GiB for 2^30" in bytes_read_as("16GB")
+    assert bytes_read_as("16GiB") == "16GiB = 17,179,869,184 bytes (16 GiB)"
 
 
 @pytest.mark.parametrize("text", ["", "abc", "16XB", "-5GB", "0", "GB16"])
@@ -205,3 +213,57 @@ def test_search_outcomes_change_no_estimate_cost_or_choice(cands):
     search_outcomes(result, cands)
     assert (list(cands), [(c.estimated_peak, c.cost, c.fits) for c in cands], result.best) == before
     assert candidates(MODEL, BUDGET, BATCH, SEQ, device="cpu") == cands
+
+
+def test_cli_plan_for_a_card_on_paper(capsys):
+    """plan --card: no such card here, nothing runs; a T4 has no bf16, so LoRA's frozen base
+    is fp16 (and the answer says so), its peak within the card's usable memory."""
+    argv = ("plan --model llama-tiny --card t4 --effective-batch 4 --seq-len 64 --lora-r 4 "
+            "--json").split()  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert data["card"] == "Tesla T4" and data["method"] == "lora"
+    assert "fp16 weights" in data["best"] and data["attentions"] == ["sdpa"]
+    assert data["best_estimated_peak"] <= data["usable"] < data["budget"]
+
+
+def test_cli_plan_for_a_card_of_a_size_says_how_it_read_it(capsys):
+    argv = "plan --model llama-tiny --card 16GB --effective-batch 2 --seq-len 64".split()
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "16GB = 16,000,000,000 bytes (14.9 GiB); GB is 10^9 bytes, write 16GiB" in out
+    assert "bf16 weights+kahan" in out  # full fine-tuning in bf16, with Kahan's AdamW
+    assert "optimizer_state" in out and "attention assumed: sdpa" in out
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--card", "l4", "--budget", "16GB"],  # both
+        ["--effective-batch", "2"],  # neither (no --card, no --budget)
+        ["--card", "k80"],  # not a card it knows, nor a size
+        ["--card", "l4", "--seq-len"],  # on paper the length must be given (dropped here)
+        ["--card", "l4", "--qlora"],  # QLoRA without a LoRA rank
+        ["--card", "l4", "--weight-dtype", "fp16"],  # fp16 weights trained, not frozen
+        ["--card", "l4", "--precision", "fp8"],
+        ["--card", "l4", "--attn", "flash"],
+    ],
+)
+def test_cli_plan_for_a_card_refuses_in_one_line(extra, cli_refuses):
+    base = {"--model": "llama-tiny", "--effective-batch": "2", "--seq-len": "64"}
+    if extra[-1] == "--seq-len":
+        base.pop(extra.pop())
+    for flag in [f for f in extra if f in base]:  # given again: the case's value wins
+        base.pop(flag)
+    cli_refuses(["plan", *[x for kv in base.items() for x in kv], *extra])
+
+
+def test_cli_help_explains_every_category_it_prints(capsys):
+    from helpers.course.cli import ESTIMATE_FIELDS
+
+    for command in ("estimate", "plan"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        assert all(f"  {field}" in text for field in ESTIMATE_FIELDS), command
+        assert "16GB = 16 x 10^9 bytes" in text

@@ -17,6 +17,7 @@ from helpers.names import (
     WEIGHT_DTYPES,
     GiB,
     MiB,
+    weights_problem,
 )
 from helpers.results import default_store, load, save, summary_table
 
@@ -116,6 +117,26 @@ def _print_summary(summary: dict, as_json: bool) -> None:
         print(f"{key:>26}: {value}")
 
 
+# What ``estimate`` prints, in order; CATEGORIES_HELP explains each one.
+ESTIMATE_FIELDS = ("params", "gradients", "optimizer_state", "activations", "temporaries",
+                   "weight_copies", "buffers", "peak")  # fmt: skip
+CATEGORIES_HELP = """\
+What the byte counts mean (one steady-state training step, each category at its own largest):
+  params           the weights as stored: 4 B each in fp32, 2 in bf16 or fp16 (--weight-dtype)
+  gradients        one per trained weight, in its dtype (LoRA: the adapters' only)
+  optimizer_state  AdamW: two moments per trained weight in its dtype (8 B in fp32, 4 in bf16)
+                   and a 4-byte step per tensor; Kahan's AdamW 2 B more; 8-bit AdamW about 2
+  activations      what the forward pass keeps for the backward; grows with batch x sequence
+  temporaries      short-lived tensors: the 16-bit weight copies, attention scores being
+                   formed, the loss's copies of the logits, the optimizer step's scratch
+  weight_copies    autocast's 16-bit copies of fp32 weights (part of temporaries; none when
+                   the weights already are 16-bit)
+  buffers          tensors the model keeps but does not train (rotary tables, position ids)
+  peak             the most bytes alive at one moment: less than the sum, as the categories
+                   peak at different moments (peak_at says when)
+Sizes: GB, MB are powers of ten (16GB = 16 x 10^9 bytes), GiB, MiB powers of two."""
+
+
 def _estimate(args) -> int:
     from helpers.estimator import estimate_run
 
@@ -127,51 +148,150 @@ def _estimate(args) -> int:
         est = estimate_run(cfg)
     except (OSError, ValueError, KeyError) as err:  # unreadable config, unknown family, limits
         return _fail(f"cannot estimate {args.model!r}: {type(err).__name__}: {err}")
-    fields = (
-        "params",
-        "gradients",
-        "optimizer_state",
-        "activations",
-        "temporaries",
-        "weight_copies",
-        "buffers",
-        "peak",
-    )
-    summary = {"n_params": est.n_params, **{k: int(getattr(est, k)) for k in fields}}
+    summary = {"n_params": est.n_params, **{k: int(getattr(est, k)) for k in ESTIMATE_FIELDS}}
     summary["peak_at"] = est.peak_at
     summary["path"] = est.path  # "analytical" (the stage model) or "traced" (fake tensors)
+    summary["attn"] = args.attn  # sdpa unless asked: transformers' default for your model
     _print_summary(summary, args.json)
     return 0
 
 
 def _plan(args) -> int:
-    from helpers.planner import parse_bytes, plan
+    from helpers.planner import bytes_read_as, parse_bytes, plan
 
-    try:
-        budget = parse_bytes(args.budget)
-    except ValueError as err:
-        return _fail(f"--budget: {err}")
+    if (args.budget is None) == (args.card is None):
+        return _fail(
+            "give --budget SIZE (plan and time candidates on this machine) or --card NAME|SIZE "
+            "(plan for a card on paper), one of the two"
+        )
     if args.effective_batch < 1 or (args.seq_len is not None and args.seq_len < 1):
         return _fail("--effective-batch and --seq-len must be positive")
     if args.top_k < 1 or args.rounds < 5:
         return _fail("--top-k must be positive and --rounds at least 5")
+    space, problem = _plan_space(args)
+    if problem:
+        return _fail(problem)
+    if args.card is not None:
+        return _plan_card(args, space)
     try:
-        result = plan(
-            args.model,
-            budget,
-            args.effective_batch,
-            args.seq_len,
-            device=args.device,
-            top_k=args.top_k,
-            rounds=args.rounds,
-        )
+        budget = parse_bytes(args.budget)
+    except ValueError as err:
+        return _fail(f"--budget: {err}")
+    try:
+        result = plan(args.model, budget, args.effective_batch, args.seq_len, device=args.device,
+                      top_k=args.top_k, rounds=args.rounds, **space)  # fmt: skip
     except (OSError, ValueError, KeyError) as err:
         return _fail(f"cannot plan for {args.model!r}: {err}")
     if args.json:
         print(json.dumps(_plan_summary(result)))
     else:
+        print(f"budget: {bytes_read_as(args.budget)}")
         _print_plan(result)
     return 0 if result.best else 1
+
+
+def _plan_space(args) -> tuple[dict, str | None]:
+    """``plan``'s search space from its options (``helpers.planner.candidates``' keywords),
+    or the one-line reason it is not a search."""
+    from helpers.planner import BF16_FULL_UPDATE
+
+    def listed(text: str | None, known, what: str):
+        names = tuple(x.strip() for x in text.split(",") if x.strip()) if text else ()
+        unknown = [x for x in names if x not in known]
+        return names, (
+            f"unknown {what} {unknown[0]!r}: use {', '.join(known)}" if unknown else None
+        )
+
+    if args.lora_r < 0 or (args.qlora and not args.lora_r):
+        return {}, "--lora-r must be positive for LoRA (and --qlora trains LoRA: give --lora-r)"
+    precisions, bad_p = listed(args.precision, PRECISIONS, "precision")
+    optimizers, bad_o = listed(args.optimizer, OPTIMIZERS, "optimizer")
+    attentions, bad_a = listed(args.attn, ATTENTION, "attention")
+    problem = bad_p or bad_o or bad_a
+    space = {"lora_r": args.lora_r, "lora_targets": args.lora_targets, "qlora": args.qlora}
+    if attentions:
+        space["attentions"] = attentions
+    if precisions:
+        space["precisions"] = precisions
+    if optimizers:
+        space["optimizers"] = optimizers
+    if args.weight_dtype:
+        full_bf16 = args.weight_dtype == "bf16" and not args.lora_r
+        update = args.bf16_update or (BF16_FULL_UPDATE if full_bf16 else "nearest")
+        space["weights"] = [(args.weight_dtype, update)]
+        compute = "fp32" if args.weight_dtype == "fp32" else args.weight_dtype  # as it must be
+        problem = problem or weights_problem(args.weight_dtype, "", update, compute, "adamw",
+                                             args.lora_r)  # fmt: skip
+    return space, problem
+
+
+def _card(text: str):
+    """A reference card by name (t4, l4, a100-40, h100...) or one of a size ("24GB", "80GiB",
+    compute capability 8.0 assumed); ValueError naming what it takes."""
+    from helpers.device import GpuInfo
+    from helpers.hardware import REFERENCE_CARDS
+    from helpers.planner import parse_bytes
+
+    name = text.strip().lower()
+    if name in REFERENCE_CARDS:
+        return REFERENCE_CARDS[name]
+    try:
+        size = parse_bytes(text)
+    except ValueError:
+        raise ValueError(
+            f"--card {text!r}: name one of {', '.join(REFERENCE_CARDS)}, or give a size such as "
+            "24GB or 80GiB"
+        ) from None
+    return GpuInfo(f"{text.strip()} card (compute capability 8.0 assumed)", size, (8, 0), 0, "")
+
+
+def _plan_card(args, space: dict) -> int:
+    """``plan --card``: ``helpers.planner.plan_for_card`` on paper, its answer and why."""
+    from helpers.planner import bytes_read_as, plan_for_card
+
+    try:
+        card = _card(args.card)
+    except ValueError as err:
+        return _fail(str(err))
+    if args.seq_len is None:
+        return _fail("--seq-len is needed with --card: the sequence length you will train at")
+    space.setdefault("attentions", ("sdpa",))  # transformers' default for a model of yours
+    method = "qlora" if space.pop("qlora") else "lora" if space["lora_r"] else "full"
+    lora = {
+        "lora_r": space.pop("lora_r"),
+        "lora_targets": space.pop("lora_targets") or "all-linear",
+    }
+    try:
+        result = plan_for_card(args.model, card, args.effective_batch, args.seq_len, method,
+                               report=lambda done, total: None, **lora, **space)  # fmt: skip
+    except (OSError, ValueError, KeyError) as err:
+        return _fail(f"cannot plan for {args.model!r}: {err}")
+    best = result.best
+    summary = {
+        "card": result.card, "method": result.method, "budget": result.budget,
+        "usable": result.usable, "attentions": list(space["attentions"]),
+        "best": best.label if best else None,
+        "best_estimated_peak": best.estimated_peak if best else None,
+        "considered": result.considered, "fitting": len(result.fitting),
+        "smallest_peak": result.smallest_peak, "reason": result.reason,
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps(summary))
+        return 0 if best else 1
+    if card.name.endswith("card (compute capability 8.0 assumed)"):
+        print(f"card: {bytes_read_as(args.card)}")
+    print(f"plan for {result.model} on the {result.card}, on paper (nothing runs): "
+          f"{result.usable / GiB:.1f} GiB usable of {result.budget / GiB:.1f} GiB")  # fmt: skip
+    print(f"attention assumed: {', '.join(space['attentions'])} (--attn to change; "
+          "transformers' default is sdpa)")  # fmt: skip
+    print(f"{result.considered} configurations estimated, {len(result.fitting)} fit")
+    if best is not None:
+        est = best.estimate
+        print(f"best: {best.label}, estimated peak {best.estimated_peak / GiB:.2f} GiB")
+        for key in ESTIMATE_FIELDS[:-1]:
+            print(f"{key:>26}: {getattr(est, key) / GiB:.2f} GiB")
+    print(result.reason)
+    return 0 if best else 1
 
 
 def _plan_summary(result) -> dict:
@@ -396,7 +516,8 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (peft); 0: train all")
     p.add_argument("--lora-targets", default="", help='LoRA modules: "q_proj,v_proj", "all-linear"')
-    p.add_argument("--attn", default="eager", choices=list(ATTENTION))
+    p.add_argument("--attn", default="sdpa", choices=list(ATTENTION),
+                   help="sdpa: transformers' default; eager: the attention matrices")  # fmt: skip
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
@@ -408,9 +529,26 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
 def _plan_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``plan``."""
     p.add_argument("--model", required=True, help="config JSON path, bundled name, or hub id")
-    p.add_argument("--budget", required=True, help="e.g. 16GB, 512MiB (GB = GiB = 2**30 bytes)")
+    p.add_argument("--budget", default=None, help="plan here and time candidates within it: "
+                   "16GiB (2^30 bytes each), 16GB (10^9), 512MiB")  # fmt: skip
+    p.add_argument("--card", default=None, help="plan on paper for a card that need not be "
+                   "here: t4, v100, a10g, l4, a100-40, a100-80, h100, a100-mig, or a size "
+                   "(24GB)")  # fmt: skip
     p.add_argument("--effective-batch", type=int, required=True, help="samples per step")
     p.add_argument("--seq-len", type=int, default=None, help="default: the scale's length")
+    p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (peft); 0: full fine-tuning")
+    p.add_argument("--lora-targets", default="", help='LoRA modules (--card: "all-linear")')
+    p.add_argument("--qlora", action="store_true", help="LoRA on 4-bit frozen weights (NF4)")
+    p.add_argument("--weight-dtype", default=None, help=f"{' | '.join(WEIGHT_DTYPES)}: only this "
+                   "(default: fp32 and, where bf16 is searched, bf16 weights)")  # fmt: skip
+    p.add_argument("--bf16-update", default=None, help=f"{' | '.join(BF16_UPDATES)} (default: "
+                   "kahan for full fine-tuning in bf16)")  # fmt: skip
+    p.add_argument("--precision", default=None, help="comma list, e.g. bf16 (default: all the "
+                   "device or card runs)")  # fmt: skip
+    p.add_argument(
+        "--optimizer", default=None, help="comma list (default adamw,adamw8bit,adafactor)"
+    )
+    p.add_argument("--attn", default=None, help="comma list (default: sdpa with --card, both here)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator)")
     p.add_argument("--top-k", type=int, default=6, help="how many candidates to time")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (at least 5)")
@@ -456,7 +594,9 @@ def parser() -> argparse.ArgumentParser:
     top = _Parser(prog="python -m helpers", description=__doc__)
     sub = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, (run, arguments, help_line) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_line)
+        epilog = CATEGORIES_HELP if name in ("measure", "estimate", "plan") else None
+        command = sub.add_parser(name, help=help_line, description=help_line, epilog=epilog,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
         if arguments is not None:
             arguments(command)
         command.set_defaults(func=run)
