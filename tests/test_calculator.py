@@ -99,6 +99,8 @@ def test_a_big_model_on_a_small_card_does_not_fit():
         ("config_path", "no/such/config.json", "no config file no/such/config.json"),
         ("qlora", True, "QLoRA trains LoRA adapters"),
         ("batch_size", 0, "must be positive"),
+        ("weight_dtype", "bf16", "bf16 weights compute in bf16, not fp32"),
+        ("bf16_update", "kahan", "needs weight_dtype bf16"),
     ],
 )
 @needs_widgets
@@ -111,6 +113,7 @@ def test_a_setting_the_estimator_refuses_is_one_red_line(control, value, message
     assert message in calc._repr_mimebundle_()["text/html"]
     calc.controls["config_path"].value = ""
     calc.controls["qlora"].value = False
+    calc.controls["weight_dtype"].value, calc.controls["bf16_update"].value = "fp32", "nearest"
     calc.controls["seq_len"].value, calc.controls["batch_size"].value = 256, 4
     assert calc.estimate is not None and calc.error == ""
 
@@ -227,3 +230,18 @@ def test_a_fitting_peak_in_a_precision_the_card_lacks_is_not_called_fits():
     )
     assert "color:#b00020" in verdict_html(result)
     assert evaluate(CalculatorSetting(precision="fp16", card="t4")).verdict.startswith("fits: ")
+
+
+@needs_widgets
+def test_bf16_weights_are_a_choice_of_the_calculator():
+    """Weights in bf16 with Kahan's AdamW: the estimator's numbers for that setting, half the
+    weights' bytes of fp32, and the setting named in the table."""
+    calc = calculator(precision="bf16", card="l4", interactive=True)
+    fp32_params = calc.estimate.params
+    calc.controls["weight_dtype"].value = "bf16"
+    calc.controls["bf16_update"].value = "kahan"
+    want = estimate("llama-tiny", 4, 256, "bf16", attn="eager", device="cuda",
+                    weight_dtype="bf16", bf16_update="kahan")  # fmt: skip
+    assert calc.estimate == want and calc.error == ""
+    assert calc.estimate.params < 0.51 * fp32_params and calc.estimate.weight_copies == 0
+    assert "bf16 weights (kahan updates)" in calc._repr_mimebundle_()["text/plain"]

@@ -2,7 +2,8 @@
 
 In a running kernel with ipywidgets, ``calculator(...)`` returns a ``Calculator``: controls
 for the model (a bundled config, or a config JSON path typed in), micro-batch, sequence
-length, precision, optimizer, gradient checkpointing, accumulation, LoRA rank (0: full
+length, precision, the weights' dtype (bf16 with no fp32 copy) and their AdamW update, optimizer,
+gradient checkpointing, accumulation, LoRA rank (0: full
 fine-tuning), QLoRA, attention and a reference GPU. Every change re-estimates one training
 step with the estimator's CUDA branch (``helpers.estimator.estimate(..., device="cuda")``,
 no GPU needed) and redraws the categories, the peak and the card's memory, with a one-line
@@ -32,7 +33,16 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import TYPE_CHECKING
 
-from helpers.names import ATTENTION, OPTIMIZERS, PRECISIONS, GiB, MiB, human_bytes
+from helpers.names import (
+    ATTENTION,
+    BF16_UPDATES,
+    OPTIMIZERS,
+    PRECISIONS,
+    WEIGHT_DTYPES,
+    GiB,
+    MiB,
+    human_bytes,
+)
 from helpers.quiet import quiet_libraries
 
 # The estimator, the planner, hardware and plots import torch (plots matplotlib too): they are
@@ -51,7 +61,8 @@ CAPTION = (
     "different moments of the step,\nso the stack is more than the peak: the largest total alive "
     "at one moment, which is what must fit. Usable = total - CUDA context - 10% margin."
 )
-CHOICES = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "attn": ATTENTION}
+CHOICES = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "attn": ATTENTION,
+           "weight_dtype": WEIGHT_DTYPES, "bf16_update": BF16_UPDATES}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,8 @@ class CalculatorSetting:
     attn: str = "eager"
     card: str = "t4"  # a key of helpers.hardware.REFERENCE_CARDS
     lora_targets: str = ""  # as RunConfig.lora_targets ("": peft's default modules)
+    weight_dtype: str = "fp32"  # as RunConfig: "bf16" keeps no fp32 copy (a LoRA base: fp16 too)
+    bf16_update: str = "nearest"  # as RunConfig: kahan, stochastic (bf16 weights' AdamW)
 
     @property
     def method(self) -> str:
@@ -84,6 +97,7 @@ class CalculatorSetting:
             self.model, self.batch_size, self.seq_len, self.precision, self.optimizer,
             self.gradient_checkpointing, self.attn, self.grad_accum, device="cuda",
             lora_r=self.lora_r, lora_targets=self.lora_targets, qlora=self.qlora,
+            weight_dtype=self.weight_dtype, bf16_update=self.bf16_update,
         )  # fmt: skip
 
     def describe(self) -> str:
@@ -95,6 +109,9 @@ class CalculatorSetting:
             f"sequence {self.seq_len}", self.precision, self.optimizer, f"{self.attn} attention",
             "checkpointing" if self.gradient_checkpointing else "no checkpointing", method,
         ]  # fmt: skip
+        if self.weight_dtype != "fp32":
+            update = "" if self.bf16_update == "nearest" else f" ({self.bf16_update} updates)"
+            parts.insert(4, f"{self.weight_dtype} weights{update}")
         return ", ".join(parts)
 
 
@@ -242,7 +259,8 @@ def applied(setting: CalculatorSetting, best) -> CalculatorSetting:
     return replace(
         setting, batch_size=best.micro_batch, grad_accum=best.grad_accum,
         gradient_checkpointing=best.gradient_checkpointing, precision=best.precision,
-        optimizer=best.optimizer, attn=best.attn,
+        optimizer=best.optimizer, attn=best.attn, weight_dtype=best.weight_dtype,
+        bf16_update=best.bf16_update,
     )  # fmt: skip
 
 
@@ -441,6 +459,10 @@ def _controls(w, s: CalculatorSetting) -> dict:
         "card": make(w.Dropdown, "GPU", s.card, options=cards),
         "precision": make(w.Dropdown, "precision", s.precision, options=PRECISIONS),
         "optimizer": make(w.Dropdown, "optimizer", s.optimizer, options=OPTIMIZERS),
+        "weight_dtype": make(w.Dropdown, "weights stored in", s.weight_dtype,
+                             options=WEIGHT_DTYPES),
+        "bf16_update": make(w.Dropdown, "bf16 AdamW update", s.bf16_update,
+                            options=BF16_UPDATES),
         "attn": make(w.Dropdown, "attention", s.attn, options=ATTENTION),
         "batch_size": make(w.IntText, "micro-batch", s.batch_size),
         "seq_len": make(w.IntText, "sequence length", s.seq_len),
@@ -454,7 +476,8 @@ def _controls(w, s: CalculatorSetting) -> dict:
 class Calculator:
     """The widgets, the live estimate of their setting, and the planner's suggestion."""
 
-    LEFT = ("model", "config_path", "card", "precision", "optimizer", "attn")
+    LEFT = ("model", "config_path", "card", "precision", "weight_dtype", "bf16_update",
+            "optimizer", "attn")  # fmt: skip
 
     def __init__(self, setting: CalculatorSetting) -> None:
         """Build the widgets at ``setting`` and draw its estimate."""
@@ -570,7 +593,7 @@ class Calculator:
         self._applying = True
         try:
             for name in ("batch_size", "grad_accum", "gradient_checkpointing", "precision",
-                         "optimizer", "attn"):  # fmt: skip
+                         "optimizer", "attn", "weight_dtype", "bf16_update"):  # fmt: skip
                 self.controls[name].value = getattr(target, name)
         finally:
             self._applying = False
@@ -628,17 +651,20 @@ def calculator(
     card: str = "t4",
     lora_targets: str = "",
     interactive: bool | None = None,
+    weight_dtype: str = "fp32",
+    bf16_update: str = "nearest",
 ):
     """The memory calculator: widgets in a kernel with ipywidgets, else a static table.
 
     ``interactive``: None picks widgets when ipywidgets imports and an IPython kernel runs;
     False always gives the ``StaticCalculator``; True asks for widgets (without ipywidgets:
     the static table, saying how to install them). ``card``: a key of
-    ``helpers.hardware.REFERENCE_CARDS`` ("t4", "l4", "a100-80", ...).
+    ``helpers.hardware.REFERENCE_CARDS`` ("t4", "l4", "a100-80", ...). ``weight_dtype`` and
+    ``bf16_update`` are ``RunConfig``'s (bf16 weights with no fp32 copy, and their AdamW).
     """
     setting = CalculatorSetting(model, batch_size, seq_len, precision, optimizer,
                                 gradient_checkpointing, grad_accum, lora_r, qlora, attn, card,
-                                lora_targets)  # fmt: skip
+                                lora_targets, weight_dtype, bf16_update)  # fmt: skip
     check_choices(setting)
     wanted = kernel_running() if interactive is None else interactive
     if not wanted:
