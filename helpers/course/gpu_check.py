@@ -200,7 +200,8 @@ def _reserve(cfg: GpuCheckConfig) -> float:
 
 def estimator_settings(device: str | None, quick: bool = False) -> dict[str, RunConfig]:
     """The settings part b runs: the capstone's nine recipes on the encoder, then the decoder
-    with SDPA in 16-bit, a family only the traced estimator knows, LoRA and tf32."""
+    with SDPA in 16-bit, a family only the traced estimator knows, LoRA, bf16 weights with no
+    fp32 copy (and their AdamW remedies, LoRA on a bf16 base) and tf32."""
     d = resolve(device)
     scale = get_scale(device=d)
     base = scale.run_config(device=str(d), repeats=max(3, scale.repeats), label="vanilla")
@@ -220,9 +221,24 @@ def estimator_settings(device: str | None, quick: bool = False) -> dict[str, Run
                                                     batch_size=small)  # fmt: skip
     out[f"{scale.decoder} LoRA r16 {bf16}"] = replace(decoder, precision=bf16, lora_r=16,
                                                       lora_targets="all-linear")  # fmt: skip
+    out.update(_bf16_weight_settings(decoder, scale.decoder, d))
     if tf32_capable(d):
         out[f"{scale.encoder} tf32"] = replace(base, precision="tf32", flops=False)
     return {label: replace(c, label=label) for label, c in out.items()}
+
+
+def _bf16_weight_settings(decoder: RunConfig, name: str, device) -> dict[str, RunConfig]:
+    """Part b's settings with bf16 weights and no fp32 copy (where the device has bf16): torch's
+    AdamW, each remedy whose package is installed, and LoRA on a bf16 base."""
+    if precision_problem("bf16", device) is not None:
+        return {}
+    pure = replace(decoder, precision="bf16", weight_dtype="bf16")
+    out = {f"{name} sdpa bf16 weights": pure}
+    for update, module in (("kahan", "optimi"), ("stochastic", "torchao")):
+        if not compat.missing_optional(module):
+            out[f"{name} sdpa bf16 weights, {update}"] = replace(pure, bf16_update=update)
+    out[f"{name} LoRA r16 on a bf16 base"] = replace(pure, lora_r=16, lora_targets="all-linear")
+    return out
 
 
 def _gap(a: int | None, b: int | None) -> int | None:
