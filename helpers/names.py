@@ -26,6 +26,25 @@ BF16_UPDATES = ("nearest", "stochastic", "kahan")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
+def qlora_problem(qlora: bool, lora_r: int, precision: str, weight_dtype: str) -> str | None:
+    """Why a QLoRA setting is not one (one sentence), or None: QLoRA trains LoRA adapters
+    (a rank > 0) in 16-bit compute on 4-bit frozen Linear weights, the rest of the base
+    16-bit already (so no other weight_dtype)."""
+    if not qlora:
+        return None
+    if lora_r <= 0 or precision not in AUTOCAST:
+        return (
+            "QLoRA trains LoRA adapters (lora_r > 0) in 16-bit compute (precision bf16 or "
+            "fp16) on 4-bit frozen weights"
+        )
+    if weight_dtype != "fp32":
+        return (
+            "QLoRA keeps its own weights (4-bit Linear layers, the rest 16-bit): leave "
+            "weight_dtype unset"
+        )
+    return None
+
+
 def trained_dtype(weight_dtype: str, lora_r: int) -> str:
     """The dtype of the weights that get gradients and optimizer state: LoRA adapters stay
     fp32 on a bf16 base (peft's ``autocast_adapter_dtype``), every weight otherwise."""

@@ -84,3 +84,18 @@ def quiet_libraries():
         yield
     finally:
         restore()
+
+
+@contextlib.contextmanager
+def quiet_loading():
+    """Inside: no transformers progress bars while a model is saved and loaded again (QLoRA's
+    4-bit reload of the course's own random weights: nothing there to wait for)."""
+    from transformers.utils import logging as hf_logging  # light: transformers' logging only
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
@@ -29,10 +30,12 @@ from helpers.models import (
 from helpers.names import (
     AUTOCAST,
     OPTIMIZERS,
+    qlora_problem,
     seq_len_problem,
     setting_problem,
     weights_problem,
 )
+from helpers.quiet import quiet_loading
 from helpers.results import Record
 from helpers.timing import (
     OP_CLASSES,
@@ -79,6 +82,7 @@ class RunConfig:
     label: str = ""  # a short name for tables and plots
     lora_r: int = 0  # LoRA rank (peft); 0 = full fine-tuning, every weight trained
     lora_targets: str = ""  # comma-separated module names, "all-linear", "" = peft's default
+    qlora: bool = False  # the LoRA base's Linear layers in 4 bits (NF4, bitsandbytes; lesson 13)
     optimizer_in_backward: bool = False  # step each parameter inside backward (lesson 16)
     loss_chunk: int = 0  # causal LM: tokens of logits per chunk of the loss; 0 = all (lesson 16)
 
@@ -97,7 +101,8 @@ class RunConfig:
         return setting_problem(self.precision, self.optimizer, self.attn, self.batch_size,
                                self.seq_len, self.grad_accum) or weights_problem(
             self.weight_dtype, self.state_dtype, self.bf16_update, self.precision,
-            self.optimizer, self.lora_r)  # fmt: skip
+            self.optimizer, self.lora_r) or qlora_problem(
+            self.qlora, self.lora_r, self.precision, self.weight_dtype)  # fmt: skip
 
     def model_config(self):
         """The model's config, read once for this run; a ValueError that says what to do."""
@@ -171,6 +176,43 @@ def make_optimizer(
                 manager.register_module_override(module, "weight", {"optim_bits": 32})
         return bnb.optim.AdamW8bit(params, lr=lr)
     raise ValueError(f"unknown optimizer {name!r}: use one of {', '.join(OPTIMIZERS)}")
+
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, device) -> torch.nn.Module:
+    """``model`` reloaded with its Linear layers in 4 bits, as QLoRA keeps them (lesson 13).
+
+    ``from_config`` takes no ``quantization_config``, so the (random) weights are saved in
+    ``compute_dtype`` and loaded back through ``from_pretrained`` with bitsandbytes' NF4, double
+    quantisation and ``compute_dtype`` compute (the QLoRA paper's setting); transformers keeps
+    the LM head, the embeddings and the norms in ``compute_dtype``. peft's
+    ``prepare_model_for_kbit_training``, which the recipe calls, would also cast those to fp32:
+    left out here, as the estimator (``helpers.estimator.qlora``) counts them 16-bit.
+    """
+    import tempfile
+
+    try:
+        import bitsandbytes  # noqa: F401  (optional: QLoRA's 4-bit layers)
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    except ImportError as err:
+        raise RuntimeError("qlora needs bitsandbytes: pip install bitsandbytes") from err
+    nf4 = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+    attn = model.config._attn_implementation
+    with tempfile.TemporaryDirectory() as folder, quiet_loading():
+        model.to(compute_dtype).save_pretrained(folder)
+        return AutoModelForCausalLM.from_pretrained(
+            folder,
+            quantization_config=nf4,
+            device_map=str(resolve(device)),
+            attn_implementation=attn,
+        )
 
 
 def autocast_context(precision: str, device: torch.device):
@@ -258,6 +300,8 @@ class Trainee:
         self.kind = task_kind(self.config)
         dtype = WEIGHT_TORCH_DTYPES[cfg.weight_dtype]
         self.model = build_model(self.config, cfg.attn, self.device, cfg.seed, dtype=dtype)
+        if cfg.qlora:  # the frozen Linear weights in 4 bits (before checkpointing and LoRA)
+            self.model = quantize_4bit(self.model, AUTOCAST_DTYPES[cfg.precision], self.device)
         if cfg.gradient_checkpointing:
             enable_checkpointing(self.model)
         if cfg.lora_r:  # freeze the weights and add adapters before the optimizer sees them

@@ -4,6 +4,8 @@ optimizers' state rules against the state they really hold; every refused combin
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -208,3 +210,59 @@ def test_an_fp16_lora_base_is_estimated_to_the_byte():
     assert 0 <= real.peak - est.peak <= 8, (est.peak, real.peak)
     base = [p for p in Trainee(cfg).model.parameters() if not p.requires_grad]
     assert base and all(p.dtype == torch.float16 for p in base)
+
+
+def quant_state_bytes(model) -> int:
+    """Bytes of bitsandbytes' per-weight quantisation state (absmax, code books, the nested
+    scales), each storage once: tensors it keeps beside the 4-bit parameters, not as them."""
+    import bitsandbytes as bnb
+
+    seen, total = set(), 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            qs = module.weight.quant_state
+            parts = [qs.absmax, qs.code] + ([qs.offset, *qs.state2.as_dict().values()]
+                                            if qs.nested else [])  # fmt: skip
+            for t in (p for p in parts if isinstance(p, torch.Tensor)):
+                if t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.untyped_storage().nbytes()
+    return total
+
+
+@pytest.mark.skipif(not importable("bitsandbytes"), reason="bitsandbytes is not installed")
+def test_qlora_is_a_run_setting_measured_against_its_estimate(capsys):
+    """RunConfig(qlora=True): NF4 Linear layers (bitsandbytes, here on the CPU), LoRA on top.
+    What autograd and the optimizer hold is the traced bf16 step's, to the byte; the weights
+    differ by bitsandbytes' quantisation state, which it keeps outside the parameters (the
+    tracker's view) and the estimate counts; the estimate's peak adds one dequantised bf16
+    weight, which CUDA's 4-bit matmul makes and the CPU kernel does not."""
+    cfg = RunConfig(model="llama-tiny", batch_size=2, seq_len=32, device="cpu", precision="bf16",
+                    lora_r=4, lora_targets="all-linear", qlora=True, attn="sdpa")  # fmt: skip
+    est, real = estimate_run(cfg), measured(cfg)
+    for key in ("gradients", "optimizer_state", "activations", "temporaries", "buffers"):
+        assert getattr(est, key) == getattr(real, key), key
+    assert est.params - real.params == quant_state_bytes(Trainee(cfg).model)
+    dequantized = est.weight_copies - real.weight_copies
+    assert dequantized == 2 * 352 * 128  # the largest 4-bit weight (gate/up/down), in bf16
+    assert est.peak - real.peak == (est.params - real.params) + dequantized
+    argv = ["estimate", "--model", "llama-tiny", "--batch-size", "2", "--seq-len", "32",
+            "--precision", "bf16", "--lora-r", "4", "--lora-targets", "all-linear", "--qlora",
+            "--device", "cpu", "--json"]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["peak"] == est.peak
+
+
+@pytest.mark.parametrize(
+    "setting, words",
+    [
+        (dict(qlora=True, precision="bf16"), "lora_r > 0"),
+        (dict(qlora=True, lora_r=4), "16-bit compute"),
+        (dict(qlora=True, lora_r=4, precision="bf16", weight_dtype="bf16"), "leave weight_dtype"),
+    ],
+)
+def test_contradictory_qlora_settings_are_refused(setting, words):
+    cfg = RunConfig(model="llama-tiny", batch_size=1, seq_len=16, device="cpu", **setting)
+    assert words in (cfg.problem() or "")
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+        Trainee(cfg)

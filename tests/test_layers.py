@@ -75,12 +75,13 @@ DEFERRED_ALLOWED = {
     "IPython",  # inside a notebook only
     "ipywidgets",  # the calculator's widgets; import helpers stays cheap
     "liger_kernel",  # optional
+    "optimi",  # optional (torch-optimi: lesson 05's Kahan-summed AdamW)
     "matplotlib",  # slow; only figures need it
     "pandas",  # slow; only tables need it
     "peft",  # optional; imports bitsandbytes
     "psutil",  # optional
     "pynvml",  # optional (NVIDIA only)
-    "torchao",  # optional (lesson 16's fp8)
+    "torchao",  # optional (lesson 05's stochastic rounding, lesson 16's fp8)
     "transformers",  # the Trainer and model classes: seconds to import, only some calls need them
 }
 

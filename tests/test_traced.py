@@ -202,8 +202,8 @@ def test_a_seven_billion_config_traces_in_seconds():
 
 
 def test_qlora_counts_four_bit_weights():
-    assert nf4_bytes(64 * 256, double_quant=False) == 64 * 256 // 2 + 4 * 256
-    assert nf4_bytes(64 * 256) == 64 * 256 // 2 + 256 + 4 + 1028
+    assert nf4_bytes(64 * 256, double_quant=False) == 64 * 256 // 2 + 64 + 4 * 256
+    assert nf4_bytes(64 * 256) == 64 * 256 // 2 + 64 + 256 + 4 + 1028
     lora = estimate("qwen3-tiny", 2, 32, "bf16", lora_r=4, lora_targets="all-linear", device="cuda")
     q = estimate("qwen3-tiny", 2, 32, "bf16", lora_r=4, lora_targets="all-linear", device="cuda",
                  qlora=True)  # fmt: skip

@@ -69,6 +69,7 @@ def _run_config(args):
         gradient_checkpointing=args.gradient_checkpointing,
         lora_r=args.lora_r,
         lora_targets=args.lora_targets,
+        qlora=args.qlora,
         attn=args.attn,
         device=args.device,
         warmup=args.warmup,
@@ -516,6 +517,7 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (peft); 0: train all")
     p.add_argument("--lora-targets", default="", help='LoRA modules: "q_proj,v_proj", "all-linear"')
+    p.add_argument("--qlora", action="store_true", help="LoRA on 4-bit frozen Linear weights (NF4)")
     p.add_argument("--attn", default="sdpa", choices=list(ATTENTION),
                    help="sdpa: transformers' default; eager: the attention matrices")  # fmt: skip
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator)")

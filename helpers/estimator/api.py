@@ -384,4 +384,5 @@ def estimate_run(cfg: RunConfig) -> Estimate:
         weight_dtype=cfg.weight_dtype,
         state_dtype=cfg.state_dtype,
         bf16_update=cfg.bf16_update,
+        qlora=cfg.qlora,
     )

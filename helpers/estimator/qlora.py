@@ -2,8 +2,8 @@
 
 QLoRA (Dettmers et al., 2023) keeps the frozen Linear weights of the transformer layers in
 NF4 (bitsandbytes' ``Linear4bit``: two 4-bit codes per byte, one absmax per block of 64
-weights; with double quantisation the absmaxes are themselves 8-bit, one fp32 scale per 256
-of them), the other frozen weights (embeddings, norms, the LM head) in bf16, and trains
+weights, and the NF4 code book of 16 fp32 values; with double quantisation the absmaxes are
+themselves 8-bit, one fp32 scale per 256 of them, with their own fp32 code book), the other frozen weights (embeddings, norms, the LM head) in bf16, and trains
 fp32 LoRA adapters in bf16 compute. The step is estimated in two parts:
 
 - traced (exact, as ``helpers.estimator.traced``): the model built in bf16 with peft's fp32
@@ -29,13 +29,14 @@ from helpers.estimator.simulate import Estimate
 BLOCK = 64  # NF4 weights per absmax
 DQ_BLOCK = 256  # absmaxes per fp32 scale under double quantisation
 DQ_CODE = 256 * 4 + 4  # per tensor: the 8-bit absmax code book (fp32) and its offset
+NF4_CODE = 16 * 4  # per tensor: the NF4 code book, its 16 values in fp32 (quant_state.code)
 BF16 = 2
 
 
 def nf4_bytes(n: int, double_quant: bool = True) -> int:
     """Bytes bitsandbytes keeps for one NF4 weight of ``n`` numbers (codes and scales)."""
     blocks = math.ceil(n / BLOCK)
-    codes = math.ceil(n / 2)
+    codes = math.ceil(n / 2) + NF4_CODE
     if not double_quant:
         return codes + 4 * blocks
     return codes + blocks + 4 * math.ceil(blocks / DQ_BLOCK) + DQ_CODE
