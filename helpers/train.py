@@ -191,7 +191,6 @@ def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, device) ->
     ``prepare_model_for_kbit_training``, which the recipe calls, would also cast those to fp32:
     left out here, as the estimator (``helpers.estimator.qlora``) counts them 16-bit.
     """
-    import tempfile
 
     try:
         import bitsandbytes  # noqa: F401  (optional: QLoRA's 4-bit layers)

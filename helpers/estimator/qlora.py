@@ -3,19 +3,25 @@
 QLoRA (Dettmers et al., 2023) keeps the frozen Linear weights of the transformer layers in
 NF4 (bitsandbytes' ``Linear4bit``: two 4-bit codes per byte, one absmax per block of 64
 weights, and the NF4 code book of 16 fp32 values; with double quantisation the absmaxes are
-themselves 8-bit, one fp32 scale per 256 of them, with their own fp32 code book), the other frozen weights (embeddings, norms, the LM head) in bf16, and trains
-fp32 LoRA adapters in bf16 compute. The step is estimated in two parts:
+themselves 8-bit, one fp32 scale per 256 of them, with their own fp32 code book), the other
+frozen weights (embeddings, norms, the LM head) in bf16, and trains fp32 LoRA adapters in bf16
+compute. The step is estimated in two parts:
 
 - traced (exact, as ``helpers.estimator.traced``): the model built in bf16 with peft's fp32
   adapters, trained under bf16 autocast: activations, gradients, optimizer state and every
   moment of the step;
-- counted (an approximation, never measured here): each quantised weight's 2 bytes per
-  number in that trace become ``nf4_bytes``, and the dequantised bf16 copy bitsandbytes
-  makes of one weight at a time (forward and backward) is added to the peak.
+- counted: each quantised weight's 2 bytes per number in that trace become ``nf4_bytes``,
+  and the dequantised bf16 copy bitsandbytes' CUDA matmul makes of one weight at a time
+  (forward and backward) is added to the peak, as if it were alive at the peak's moment.
 
-bitsandbytes' 4-bit kernels are CUDA code with no fake-tensor version, so the 4-bit layers
-themselves are not traced: what they save for backward is taken to be what a bf16 Linear
-saves (its input, when an adapter or an earlier layer needs the gradient).
+bitsandbytes' 4-bit kernels have no fake-tensor version, so the 4-bit layers themselves are
+not traced: what they save for backward is taken to be what a bf16 Linear saves (its input,
+when an adapter or an earlier layer needs the gradient). Measured on a CPU
+(``RunConfig(qlora=True)``, tests/test_bf16_weights.py), that holds to the byte for the
+activations, temporaries, gradients and optimizer state of a Llama; the weights differ by
+exactly bitsandbytes' quantisation state, which it keeps beside the parameters (the tracker's
+``params`` do not include it), and the CPU kernel makes no dequantised copy. Never measured on
+a GPU yet.
 """
 
 from __future__ import annotations
