@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""How long the estimator and the planner take at full size, on this machine: a benchmark
+that prints its times (not a timed test: the machine's speed drifts).
+
+    python tools/estimator_speed.py            # ~2-3 minutes on 2 cores
+
+Each estimate runs in a fresh process (``helpers.isolate.call_isolated``), so its time
+includes the traces a first estimate of a model makes, as a learner's first question does;
+one core each, one after another. The settings: Llama-3.2-3B (its published shape, built
+here from Llama-3.2-1B's config) and Llama-3.1-8B in bf16 with no fp32 copy, LoRA r16 on a
+bf16 base, QLoRA, each with checkpointing, batch 1 x 4096 on a CUDA card (on paper). Then
+``plan_for_card`` over its default search for Llama-3.2-1B and Llama-3.1-8B on an L4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from helpers.isolate import call_isolated
+from helpers.models import config_path
+
+# Llama-3.2-3B's shape (meta-llama/Llama-3.2-3B, config.json); the rest as Llama-3.2-1B's.
+LLAMA_3B = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                num_attention_heads=24, num_key_value_heads=8, head_dim=128)  # fmt: skip
+SETTINGS = {
+    "full, bf16 weights + Kahan": dict(weight_dtype="bf16", bf16_update="kahan"),
+    "LoRA r16, bf16 base": dict(weight_dtype="bf16", lora_r=16, lora_targets="all-linear"),
+    "QLoRA r16": dict(lora_r=16, lora_targets="all-linear", qlora=True),
+}
+
+
+def timed_estimate(model, setting: dict) -> tuple[float, float]:
+    """Seconds for one estimate (in this process), and its peak in GiB."""
+    from helpers.estimator import estimate
+
+    start = time.perf_counter()
+    est = estimate(model, 1, 4096, "bf16", gradient_checkpointing=True, attn="sdpa",
+                   device="cuda", **setting)  # fmt: skip
+    return time.perf_counter() - start, est.peak / 2**30
+
+
+def timed_plan(model, card: str, method: str) -> tuple[float, str]:
+    """Seconds for ``plan_for_card``'s whole default search, and its answer."""
+    from helpers.planner import plan_for_card
+
+    start = time.perf_counter()
+    result = plan_for_card(model, card, 8, 2048, method, report=lambda done, total: None)
+    answer = result.best.label if result.best else "does not fit"
+    return time.perf_counter() - start, f"{answer} ({result.considered} estimated)"
+
+
+def main() -> int:
+    llama_1b = json.loads(config_path("llama-3.2-1b").read_text())
+    models = {"Llama-3.2-3B": {**llama_1b, **LLAMA_3B}, "Llama-3.1-8B": "llama-3.1-8b"}
+    print(f"{os.cpu_count()} cores; each line one fresh process", flush=True)
+    for name, model in models.items():
+        for label, setting in SETTINGS.items():
+            seconds, peak = call_isolated(timed_estimate, model, setting).unwrap()
+            print(f"estimate {name:<13} {label:<28} {seconds:5.1f} s  peak {peak:6.2f} GiB",
+                  flush=True)  # fmt: skip
+    for name, model in {"Llama-3.2-1B": "llama-3.2-1b", "Llama-3.1-8B": "llama-3.1-8b"}.items():
+        for method in ("full", "lora"):
+            seconds, answer = call_isolated(timed_plan, model, "l4", method).unwrap()
+            print(f"plan_for_card {name} on an L4, {method:<4} {seconds:5.1f} s  {answer}",
+                  flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
