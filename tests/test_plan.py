@@ -218,8 +218,8 @@ def test_search_outcomes_change_no_estimate_cost_or_choice(cands):
 def test_cli_plan_for_a_card_on_paper(capsys):
     """plan --card: no such card here, nothing runs; a T4 has no bf16, so LoRA's frozen base
     is fp16 (and the answer says so), its peak within the card's usable memory."""
-    argv = ("plan --model llama-tiny --card t4 --effective-batch 4 --seq-len 64 --lora-r 4 "
-            "--json").split()  # fmt: skip
+    argv = ("plan --model llama-tiny --card t4 --effective-batch 1 --seq-len 64 --lora-r 4 "
+            "--precision fp16 --optimizer adamw --json").split()  # fmt: skip
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["card"] == "Tesla T4" and data["method"] == "lora"
@@ -228,7 +228,8 @@ def test_cli_plan_for_a_card_on_paper(capsys):
 
 
 def test_cli_plan_for_a_card_of_a_size_says_how_it_read_it(capsys):
-    argv = "plan --model llama-tiny --card 16GB --effective-batch 2 --seq-len 64".split()
+    argv = ("plan --model llama-tiny --card 16GB --effective-batch 2 --seq-len 64 "
+            "--precision bf16 --optimizer adamw").split()  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "16GB = 16,000,000,000 bytes (14.9 GiB); GB is 10^9 bytes, write 16GiB" in out
