@@ -220,9 +220,9 @@ def _plan_space(args) -> tuple[dict, str | None]:
         full_bf16 = args.weight_dtype == "bf16" and not args.lora_r
         update = args.bf16_update or (BF16_FULL_UPDATE if full_bf16 else "nearest")
         space["weights"] = [(args.weight_dtype, update)]
-        compute = "fp32" if args.weight_dtype == "fp32" else args.weight_dtype  # as it must be
-        problem = problem or weights_problem(args.weight_dtype, "", update, compute, "adamw",
-                                             args.lora_r)  # fmt: skip
+        # checked in the compute it needs (16-bit weights compute in their own dtype)
+        problem = problem or weights_problem(args.weight_dtype, "", update, args.weight_dtype,
+                                             "adamw", args.lora_r)  # fmt: skip
     return space, problem
 
 
