@@ -7,15 +7,64 @@
   logits made, used and freed inside a checkpoint, so the step never holds the full
   tokens x vocabulary logits and their log-softmax (the largest tensors of a step with a large
   vocabulary).
+
+And two settings of what autograd keeps for backward (``RunConfig.checkpoint_policy`` and
+``offload_activations``): ``save_matmuls``, the selective checkpointing policy (keep what
+matrix multiplications and attention kernels return, recompute the cheap element-wise rest),
+and ``offloaded``, a loss whose forward saves its tensors for backward in host memory
+(``torch.autograd.graph.save_on_cpu``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+_aten = torch.ops.aten
+_ATTENTION_KERNELS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+# What the selective policy keeps: the outputs of matrix multiplications (a Linear layer is an
+# mm or addmm, eager attention's two products are bmm) and of SDPA's kernels, one per backend.
+SAVED_OPS = frozenset(
+    [_aten.mm.default, _aten.addmm.default, _aten.bmm.default]
+    + [getattr(_aten, name).default for name in _ATTENTION_KERNELS if hasattr(_aten, name)]
+)
+
+
+def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The selective policy: keep what matmuls and attention kernels return, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context_fn() -> Callable:
+    """The ``context_fn`` that makes ``torch.utils.checkpoint`` selective with ``save_matmuls``."""
+    return functools.partial(create_selective_checkpoint_contexts, save_matmuls)
+
+
+def offloaded(loss_of: Callable, device: torch.device) -> Callable:
+    """``loss_of`` with its forward under ``save_on_cpu``: every tensor saved for backward is
+    copied to host memory (pinned on CUDA) and back when backward needs it. On the CPU the
+    host is the device: nothing moves (``.cpu()`` of a CPU tensor is the tensor)."""
+
+    def offloaded_loss_of(model, batch):
+        pin = device.type == "cuda"
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin, device_type=device.type):
+            return loss_of(model, batch)
+
+    return offloaded_loss_of
+
 
 IGNORE = -100  # the label transformers' losses skip (padding, and the token after the last)
 

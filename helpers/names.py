@@ -45,6 +45,48 @@ def qlora_problem(qlora: bool, lora_r: int, precision: str, weight_dtype: str) -
     return None
 
 
+# RunConfig.checkpoint_policy: what a checkpointed layer keeps for backward (lesson 16).
+# "full": only the layer's input, the rest recomputed; "selective": also what matrix
+# multiplications and attention kernels return (helpers.memory_savers.save_matmuls).
+CHECKPOINT_POLICIES = ("full", "selective")
+
+
+# The planner's and calculator's one axis for what a step keeps for backward (lesson 04 and
+# 16): none, full or selective checkpointing, or every saved tensor offloaded to the host.
+ACTIVATION_SETTINGS = ("none", "full", "selective", "offload")
+
+
+def activation_fields(setting: str | bool) -> dict:
+    """``RunConfig``'s fields for one of ``ACTIVATION_SETTINGS`` (True/False: full/none)."""
+    setting = {True: "full", False: "none"}.get(setting, setting)
+    if setting not in ACTIVATION_SETTINGS:
+        raise ValueError(
+            f"unknown activation setting {setting!r}: use {', '.join(ACTIVATION_SETTINGS)}"
+        )
+    return {
+        "gradient_checkpointing": setting in ("full", "selective"),
+        "checkpoint_policy": "selective" if setting == "selective" else "full",
+        "offload_activations": setting == "offload",
+    }
+
+
+def activations_problem(gradient_checkpointing: bool, checkpoint_policy: str) -> str | None:
+    """What is wrong with how a run keeps its activations (one sentence), or None. Offloading
+    them combines with either policy: inside a checkpointed layer, checkpointing's own hooks
+    decide what is saved, so only what the layers' outside saves goes to the host."""
+    if checkpoint_policy not in CHECKPOINT_POLICIES:
+        return (
+            f"unknown checkpoint_policy {checkpoint_policy!r}: use one of "
+            f"{', '.join(CHECKPOINT_POLICIES)}"
+        )
+    if checkpoint_policy != "full" and not gradient_checkpointing:
+        return (
+            f"checkpoint_policy {checkpoint_policy} chooses what checkpointed layers keep: "
+            "turn gradient_checkpointing on (--gradient-checkpointing) or leave the policy full"
+        )
+    return None
+
+
 def trained_dtype(weight_dtype: str, lora_r: int) -> str:
     """The dtype of the weights that get gradients and optimizer state: LoRA adapters stay
     fp32 on a bf16 base (peft's ``autocast_adapter_dtype``), every weight otherwise."""

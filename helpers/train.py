@@ -17,7 +17,12 @@ from helpers.data import MarkovTask, markov_batch, random_batch
 from helpers.device import nvml_used_bytes, resolve
 from helpers.hardware import hardware_report, precision_problem
 from helpers.memory import CategoryTracker, allocator_peaks, memory_budget, reset_device_peaks
-from helpers.memory_savers import ChunkedCausalLMLoss, OptimizerInBackward
+from helpers.memory_savers import (
+    ChunkedCausalLMLoss,
+    OptimizerInBackward,
+    offloaded,
+    selective_context_fn,
+)
 from helpers.models import (
     WEIGHT_TORCH_DTYPES,
     apply_lora,
@@ -30,6 +35,7 @@ from helpers.models import (
 from helpers.names import (
     AUTOCAST,
     OPTIMIZERS,
+    activations_problem,
     qlora_problem,
     seq_len_problem,
     setting_problem,
@@ -68,6 +74,10 @@ class RunConfig:
     state_dtype: str = ""  # the optimizer state's dtype; "" = the trained weights' own
     bf16_update: str = "nearest"  # bf16 weights' AdamW: nearest | stochastic | kahan (lesson 05)
     gradient_checkpointing: bool = False
+    # What checkpointed layers keep: "full" (their input) or "selective" (also what matmuls
+    # and attention kernels return; lesson 16). names.CHECKPOINT_POLICIES.
+    checkpoint_policy: str = "full"
+    offload_activations: bool = False  # tensors saved for backward go to host memory (lesson 16)
     # The course's default. transformers defaults to "sdpa"; eager keeps each layer's s x s
     # attention matrix as a saved activation, which lessons 01 and 04 count. Lesson 10 compares.
     attn: str = "eager"
@@ -102,7 +112,8 @@ class RunConfig:
                                self.seq_len, self.grad_accum) or weights_problem(
             self.weight_dtype, self.state_dtype, self.bf16_update, self.precision,
             self.optimizer, self.lora_r) or qlora_problem(
-            self.qlora, self.lora_r, self.precision, self.weight_dtype)  # fmt: skip
+            self.qlora, self.lora_r, self.precision, self.weight_dtype) or activations_problem(
+            self.gradient_checkpointing, self.checkpoint_policy)  # fmt: skip
 
     def model_config(self):
         """The model's config, read once for this run; a ValueError that says what to do."""
@@ -302,7 +313,8 @@ class Trainee:
         if cfg.qlora:  # the frozen Linear weights in 4 bits (before checkpointing and LoRA)
             self.model = quantize_4bit(self.model, AUTOCAST_DTYPES[cfg.precision], self.device)
         if cfg.gradient_checkpointing:
-            enable_checkpointing(self.model)
+            selective = cfg.checkpoint_policy == "selective"
+            enable_checkpointing(self.model, selective_context_fn() if selective else None)
         if cfg.lora_r:  # freeze the weights and add adapters before the optimizer sees them
             self.model = apply_lora(self.model, cfg.lora_r, cfg.lora_targets)
         self.model.train()
@@ -364,12 +376,13 @@ class Trainee:
         return self.losses[-1]
 
     def _loss_of(self) -> Callable:
-        """How a batch becomes a loss: the model's own, or the chunked loss (lesson 16)."""
-        if not self.cfg.loss_chunk:
-            return model_loss
-
-        chunked = ChunkedCausalLMLoss(self.model, self.cfg.loss_chunk)
-        return lambda model, batch: chunked(batch)
+        """How a batch becomes a loss: the model's own or the chunked loss, its forward's
+        saved tensors offloaded to the host or not (lesson 16)."""
+        loss_of = model_loss
+        if self.cfg.loss_chunk:
+            chunked = ChunkedCausalLMLoss(self.model, self.cfg.loss_chunk)
+            loss_of = lambda model, batch: chunked(batch)  # noqa: E731
+        return offloaded(loss_of, self.device) if self.cfg.offload_activations else loss_of
 
 
 def trainee_step(cfg: RunConfig):

@@ -97,6 +97,11 @@ EXTRAPOLATED = [
     ("opt-tiny", "cpu", "fp32", True, "eager", 1, 4),
     ("bert-tiny", "cuda", "bf16", True, "eager", 2, 0),
     ("mixtral-tiny", "cpu", "fp32", False, "eager", 2, 0),
+    # what the step keeps for backward (RunConfig.checkpoint_policy, offload_activations)
+    ("qwen3-tiny", "cuda", "bf16", "selective", "sdpa", 1, 0),
+    ("gemma3-tiny", "cpu", "fp32", "selective", "eager", 2, 4),
+    ("qwen3-tiny", "cuda", "bf16", "offload", "sdpa", 2, 0),
+    ("gpt2-tiny", "cuda", "fp32", "offload", "eager", 1, 4),
 ]
 
 
@@ -104,7 +109,9 @@ EXTRAPOLATED = [
 def test_two_shallow_traces_give_the_deep_one(model, dev, precision, gc, attn, accum, lora):
     config = deep(model)
     assert T.layer_plan(config) is not None  # 7 layers: extrapolated
-    setting = (2, 32, precision, gc, attn, accum, dev, lora, "", False)
+    # gc: True (full checkpointing), "selective", or "offload" (no checkpointing, offloaded)
+    policy = {True: "full", False: "", "offload": ""}.get(gc, gc)
+    setting = (2, 32, precision, policy, attn, accum, dev, lora, "", False, gc == "offload")
     whole, _, kept = T._trace(config, *setting)
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
     traces = T._trace_cached.__wrapped__(key, *setting)

@@ -21,6 +21,7 @@ from helpers.names import (
     ATTENTION,
     AUTOCAST,
     PRECISION_BYTES,
+    activations_problem,
     seq_len_problem,
     setting_problem,
     weights_problem,
@@ -50,6 +51,8 @@ def estimate(
     weight_dtype: str = "fp32",
     state_dtype: str = "",
     bf16_update: str = "nearest",
+    checkpoint_policy: str = "full",
+    offload_activations: bool = False,
 ) -> Estimate:
     """Predicted per-category bytes of one steady-state training step (see the module doc).
 
@@ -66,34 +69,34 @@ def estimate(
     ``moments``: a list that receives the stage model's walk through the step, moment by moment
     (``simulate.PredictedMoment``; lesson 15 draws them). Only the analytical path walks the
     step in stages, so ``moments`` asks for it and other architectures raise ValueError.
-    ``weight_dtype``, ``state_dtype`` and ``bf16_update`` are ``RunConfig``'s: bf16 weights
-    with no master copy, estimated on the traced path (the stage model knows fp32 weights).
+    ``weight_dtype``, ``state_dtype``, ``bf16_update``, ``checkpoint_policy`` and
+    ``offload_activations`` are ``RunConfig``'s, estimated on the traced path.
     """
-    _check_setting(precision, optimizer, attn, batch_size, seq_len, grad_accum)
-    weights = (weight_dtype, state_dtype, bf16_update)
-    info = _described(model, attn, lora_r, lora_targets, precision, optimizer, *weights)
-    problem = seq_len_problem(seq_len, info.config.get("max_position_embeddings"))
-    if problem:
-        raise ValueError(problem)
+    _check_setting(precision, optimizer, attn, batch_size, seq_len, grad_accum,
+                   gradient_checkpointing, checkpoint_policy)  # fmt: skip
+    kept = (checkpoint_policy, offload_activations)
+    info = _described(model, attn, lora_r, lora_targets, precision, optimizer, weight_dtype,
+                      state_dtype, bf16_update, seq_len)  # fmt: skip
     dev = resolve(device)
     savers = _check_savers(info, optimizer_in_backward, loss_chunk, precision, grad_accum)
-    if _choose_path(info, path, precision, qlora, moments is not None or savers) == "analytical":
-        # (only fp32 weights get here: _choose_path sends bf16 weights to the traced path)
+    if _choose_path(info, path, precision, qlora, moments is not None or savers,
+                    kept != ("full", False)) == "analytical":  # fmt: skip
         z = _Shape(b=batch_size, s=seq_len, ea=PRECISION_BYTES[precision],
                    amp=precision in AUTOCAST, dev=dev.type, chunk=loss_chunk)  # fmt: skip
         return _analytical(info, z, optimizer, gradient_checkpointing, attn, grad_accum, moments,
                            optimizer_in_backward)  # fmt: skip
     step = _traced(info, batch_size, seq_len, precision, optimizer, gradient_checkpointing,
                    attn, grad_accum, dev.type, frozen_16bit=qlora or weight_dtype != "fp32",
-                   bf16_update=bf16_update)  # fmt: skip
+                   bf16_update=bf16_update, kept=kept)  # fmt: skip
     if qlora:
         return qlora_estimate(step, info)
     return step
 
 
 def _described(model, attn, lora_r, lora_targets, precision, optimizer, weight_dtype,
-               state_dtype, bf16_update) -> ModelInfo:  # fmt: skip
-    """``describe_model`` after the weights' checks (``names.weights_problem``): ValueError."""
+               state_dtype, bf16_update, seq_len) -> ModelInfo:  # fmt: skip
+    """``describe_model`` after the weights' checks (``names.weights_problem``), and the
+    sequence length against the model's positions: ValueError."""
     problem = weights_problem(weight_dtype, state_dtype, bf16_update, precision, optimizer,
                               _lora_rank(model, lora_r))  # fmt: skip
     if problem:
@@ -104,6 +107,9 @@ def _described(model, attn, lora_r, lora_targets, precision, optimizer, weight_d
             f"this ModelInfo was described with {info.weight_dtype} weights, not "
             f"{weight_dtype}: describe_model(..., weight_dtype={weight_dtype!r})"
         )
+    problem = seq_len_problem(seq_len, info.config.get("max_position_embeddings"))
+    if problem:
+        raise ValueError(problem)
     return info
 
 
@@ -114,10 +120,13 @@ def _lora_rank(model, lora_r: int) -> int:
     return lora_r
 
 
-def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool, staged: bool) -> str:
+def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool, staged: bool,
+                 kept: bool = False) -> str:  # fmt: skip
     """ "analytical" or "traced" for ``estimate``'s ``path``; ValueError, saying why, if neither.
 
-    ``staged``: the estimate needs the stage model (moments, lesson 16's memory savers)."""
+    ``staged``: the estimate needs the stage model (moments, lesson 16's optimizer step in
+    backward and chunked loss); ``kept``: selective checkpointing or offloaded activations,
+    which only the traced path knows."""
     if path not in PATHS:
         raise ValueError(f"unknown path {path!r}: use one of {', '.join(PATHS)}")
     if staged and path == "traced":
@@ -130,6 +139,12 @@ def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool, staged
             f"the analytical stage model knows fp32 weights; {info.weight_dtype} weights are "
             "estimated on the traced path (path='traced' or 'auto'), which has no moments, "
             "optimizer_in_backward or loss_chunk yet"
+        )
+    if kept and (staged or path == "analytical"):
+        raise ValueError(
+            "selective checkpointing and offloaded activations are estimated on the traced "
+            "path (path='traced' or 'auto'), which has no moments, optimizer_in_backward or "
+            "loss_chunk yet"
         )
     if staged:
         path = "analytical"
@@ -146,6 +161,8 @@ def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool, staged
         )
     bf16 = info.weight_dtype != "fp32"
     if path == "traced" or info.family == TRACED or (path == "auto" and lora) or qlora or bf16:
+        return "traced"
+    if kept:  # selective checkpointing, offload
         return "traced"
     return "analytical"
 
@@ -208,14 +225,15 @@ PATHS = ("auto", "analytical", "traced")
 
 
 def _traced(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accum, device_type,
-            frozen_16bit=False, bf16_update="nearest"):  # fmt: skip
-    """A traced forward and backward plus the optimizer's exact state and step (traced.py)."""
+            frozen_16bit=False, bf16_update="nearest", kept=("full", False)):  # fmt: skip
+    """A traced forward and backward plus the optimizer's exact state and step (traced.py);
+    ``kept``: the checkpoint policy and whether activations are offloaded."""
     config = load_config({k: v for k, v in info.config.items() if k != EXPERTS_KEY})
     lora = [p for p in info.params if ".lora_A." in p.name]
     lora_r = lora[0].shape[0] if lora else 0
     targets = ",".join(sorted({p.name.split(".lora_A.")[0].rsplit(".", 1)[-1] for p in lora}))
     t = trace_step(config, batch_size, seq_len, precision, gc, attn, grad_accum, device_type,
-                   lora_r, targets, frozen_16bit, optimizer, bf16_update)  # fmt: skip
+                   lora_r, targets, frozen_16bit, optimizer, bf16_update, *kept)  # fmt: skip
     traced_step = t.steps.get(step_name(optimizer, bf16_update))
     if traced_step is not None:  # the CPU: the optimizer's step was traced too
         opt_state, opt_temp = traced_step.optimizer_state, traced_step.temporaries
@@ -243,10 +261,11 @@ def _traced(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accu
     )
 
 
-def _check_setting(precision, optimizer, attn, batch_size, seq_len, grad_accum) -> None:
+def _check_setting(precision, optimizer, attn, batch_size, seq_len, grad_accum, gc=False,
+                   policy="full") -> None:  # fmt: skip
     """Raise ValueError, saying what to use, for a setting the estimator does not know."""
     problem = setting_problem(precision, optimizer, attn, batch_size, seq_len, grad_accum,
-                              attentions=ATTENTION)  # fmt: skip
+                              attentions=ATTENTION) or activations_problem(gc, policy)  # fmt: skip
     if problem:
         raise ValueError(problem)
 
@@ -374,6 +393,8 @@ def estimate_run(cfg: RunConfig) -> Estimate:
         precision=cfg.precision,
         optimizer=cfg.optimizer,
         gradient_checkpointing=cfg.gradient_checkpointing,
+        checkpoint_policy=cfg.checkpoint_policy,
+        offload_activations=cfg.offload_activations,
         attn=cfg.attn,
         grad_accum=cfg.grad_accum,
         device=cfg.device,

@@ -59,10 +59,11 @@ from transformers import masking_utils
 from helpers import compat
 from helpers.data import random_batch
 from helpers.memory import CATEGORY, CategoryTracker
+from helpers.memory_savers import offloaded, selective_context_fn
 from helpers.models import apply_lora, build_model, enable_checkpointing, load_config, task_kind
 from helpers.names import AUTOCAST
 from helpers.quiet import quiet_libraries
-from helpers.train import make_optimizer, train_step
+from helpers.train import make_optimizer, model_loss, train_step
 
 # CUDA's autocast lists (ATen/autocast_mode.h), by the name a Python call carries.
 # AT_FORALL_FP32: every floating input is cast to fp32 first. The list of the installed torch:
@@ -200,6 +201,8 @@ def trace_step(
     frozen_16bit: bool = False,
     optimizer: str | None = None,
     bf16_update: str = "nearest",
+    checkpoint_policy: str = "full",
+    offload_activations: bool = False,
 ) -> Traced:
     """One forward and backward (two with accumulation) of ``config`` on fake tensors, tracked.
 
@@ -208,7 +211,9 @@ def trace_step(
     (``helpers.estimator.qlora``); without LoRA every weight is bf16 (``weight_dtype``).
     ``optimizer`` (with ``bf16_update``): on the CPU, that optimizer's step is traced after
     the backward, on the same fake model, when its step can run on fake tensors
-    (``Traced.steps`` then holds it under ``step_name``).
+    (``Traced.steps`` then holds it under ``step_name``). ``checkpoint_policy`` and
+    ``offload_activations`` are ``RunConfig``'s: the selective policy and ``save_on_cpu``
+    run in the trace as in a real step (``_offload_hooks``: what a CUDA step moves to the host).
 
     Deep models are traced at two small depths and extrapolated (``layer_depths``). Cached:
     the same model and setting is traced once per process (the planner asks for one trace
@@ -218,9 +223,10 @@ def trace_step(
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
     amp = precision in AUTOCAST  # fp16 and bf16 hold the same bytes, as do fp32 and tf32
     dtype = "bf16" if amp else "fp32"
+    gc = checkpoint_policy if gradient_checkpointing else ""
     traced = _trace_cached(
-        key, batch_size, seq_len, dtype, gradient_checkpointing, attn, min(grad_accum, 2),
-        device_type, lora_r, lora_targets, frozen_16bit,
+        key, batch_size, seq_len, dtype, gc, attn, min(grad_accum, 2), device_type, lora_r,
+        lora_targets, frozen_16bit, offload_activations,
     )  # fmt: skip
     if optimizer is None or not traced.steppable(optimizer, bf16_update):
         return traced.traced
@@ -277,9 +283,10 @@ class TraceSet:
 
 
 @functools.lru_cache(maxsize=256)
-def _trace_cached(key, b, s, precision, gc, attn, accum, device_type, lora_r, lora_targets, half):
+def _trace_cached(key, b, s, precision, gc, attn, accum, device_type, lora_r, lora_targets, half,
+                  offload):  # fmt: skip
     config = load_config(json.loads(key))
-    setting = (b, s, precision, gc, attn, accum, device_type, lora_r, lora_targets, half)
+    setting = (b, s, precision, gc, attn, accum, device_type, lora_r, lora_targets, half, offload)
     plan = layer_plan(config)
     if plan is None:
         traced, _, kept = _trace(config, *setting)
@@ -351,8 +358,12 @@ def _with_layers(config, kinds: list[str]):
     return small
 
 
-def _trace(config, b, s, precision, gc, attn, accum, device_type, lora_r, lora_targets, half):
-    """Trace ``config`` whole: what it held (``Traced``) and its maxima per moment."""
+def _trace(config, b, s, precision, gc, attn, accum, device_type, lora_r, lora_targets, half,
+           offload):  # fmt: skip
+    """Trace ``config`` whole: what it held (``Traced``) and its maxima per moment.
+
+    ``gc``: "" (no checkpointing) or the checkpoint policy; ``offload``: the forward's saved
+    tensors offloaded to the host."""
     kind = task_kind(config)
     cuda = device_type == "cuda"
     mode = FakeTensorMode()
@@ -360,9 +371,8 @@ def _trace(config, b, s, precision, gc, attn, accum, device_type, lora_r, lora_t
         model = build_model(config, attn, dtype=torch.bfloat16 if half else torch.float32)
         layers = _layers_name(model, config.num_hidden_layers)
         semantics = CudaSemantics(precision != "fp32") if cuda else None
-        if gc:  # the recomputation runs outside this thread's modes: give it the same ones
-            recompute = (lambda: (contextlib.nullcontext(), semantics)) if cuda else None
-            enable_checkpointing(model, context_fn=recompute)
+        if gc:
+            enable_checkpointing(model, context_fn=_checkpoint_contexts(gc, semantics))
         if lora_r:
             # peft deep-copies a classifier's head to train it; FakeCopyMode keeps the copy's
             # fresh tensors in this fake mode (a plain deepcopy makes them in another one).
@@ -379,7 +389,7 @@ def _trace(config, b, s, precision, gc, attn, accum, device_type, lora_r, lora_t
             semantics or contextlib.nullcontext(),
         ):  # the course's step; TraceSet.step traces an optimizer's on the kept model
             train_step(model, at_step, (batch for _ in range(accum)), accumulate=accum,
-                       precision=precision)  # fmt: skip
+                       precision=precision, loss_of=_loss_of(offload, cuda))  # fmt: skip
         peaks = tracker.peaks()
     # On CUDA the optimizers run foreach kernels and keep step counters on the host:
     # helpers.estimator.state accounts for that from PyTorch's sources instead. On the CPU
@@ -398,6 +408,63 @@ def _trace(config, b, s, precision, gc, attn, accum, device_type, lora_r, lora_t
         steps={},
     )
     return traced, tracker.moments, kept
+
+
+def _checkpoint_contexts(policy: str, semantics: CudaSemantics | None):
+    """The trace's ``context_fn`` for ``torch.utils.checkpoint``: the policy's contexts (None:
+    torch's default), with CUDA's semantics around the recomputation, which runs in backward,
+    outside the modes this thread entered for the forward."""
+    if policy == "full" and semantics is None:
+        return None
+
+    def contexts():
+        if policy == "selective":
+            forward, recompute = selective_context_fn()()
+        else:
+            forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
+        return forward, recompute if semantics is None else _entered(recompute, semantics)
+
+    return contexts
+
+
+@contextlib.contextmanager
+def _entered(*contexts):
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
+
+
+def _loss_of(offload: bool, cuda: bool):
+    """The traced step's loss: the model's own; offloaded, as ``RunConfig`` runs it on the
+    CPU (``save_on_cpu``, which moves nothing there) or as it runs on CUDA (``_offload_hooks``)."""
+    if not offload:
+        return model_loss
+    if not cuda:
+        return offloaded(model_loss, torch.device("cpu"))
+
+    def loss_of(model, batch):
+        with torch.autograd.graph.saved_tensors_hooks(*_offload_hooks()):
+            return model_loss(model, batch)
+
+    return loss_of
+
+
+def _offload_hooks():
+    """``save_on_cpu`` as a CUDA step runs it, on fake CPU tensors: pack copies every saved
+    tensor to the host (here the ``meta`` device, which the tracker does not count) and the
+    device's tensor is freed once the forward lets go of it; unpack copies it back to the
+    device for the backward node that needs it (a parameter too: ``save_on_cpu`` packs
+    whatever autograd saves). torch/autograd/graph.py, ``save_on_cpu``."""
+
+    def pack(t: torch.Tensor):
+        return t.device, t.to("meta")
+
+    def unpack(packed) -> torch.Tensor:
+        device, host = packed
+        return host.to(device)
+
+    return pack, unpack
 
 
 def _layers_name(model, n: int) -> str | None:

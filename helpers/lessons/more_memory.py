@@ -20,7 +20,6 @@ what a section prints, plots and asserts: ``measure_savers`` and ``fused_step_fa
 from __future__ import annotations
 
 import copy
-import functools
 import importlib.util
 import json
 import math
@@ -31,7 +30,6 @@ import pandas as pd
 import torch
 from matplotlib.figure import Figure
 from torch.nn.utils.rnn import pad_sequence
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
 from helpers import isolate
@@ -41,7 +39,14 @@ from helpers.device import allocation_bytes, gpu_info, is_cuda, resolve
 from helpers.estimator import Estimate, describe_model, estimate_run
 from helpers.isolate import call_isolated
 from helpers.memory import CategoryTracker, allocator_peaks, reset_device_peaks
-from helpers.memory_savers import ChunkedCausalLMLoss, causal_targets
+from helpers.memory_savers import (  # noqa: F401 (SAVED_OPS, save_matmuls: the lesson's names)
+    SAVED_OPS,
+    ChunkedCausalLMLoss,
+    causal_targets,
+    offloaded,
+    save_matmuls,
+    selective_context_fn,
+)
 from helpers.models import build_model, disable_checkpointing, enable_checkpointing, load_config
 from helpers.names import MiB
 from helpers.plots import category_labels, legend_outside
@@ -63,30 +68,6 @@ from helpers.train import (
 
 CHECKPOINTING = ("none", "full", "selective", "offload")  # the settings section 2 compares
 
-_aten = torch.ops.aten
-_ATTENTION_KERNELS = (
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-)
-# What the selective policy keeps: the outputs of matrix multiplications (a Linear layer is an
-# mm or addmm, eager attention's two products are bmm) and of SDPA's kernels, one per backend.
-SAVED_OPS = frozenset(
-    [_aten.mm.default, _aten.addmm.default, _aten.bmm.default]
-    + [getattr(_aten, name).default for name in _ATTENTION_KERNELS if hasattr(_aten, name)]
-)
-
-
-def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """The selective policy: keep what matmuls and attention kernels return, recompute the rest."""
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def selective_context_fn() -> Callable:
-    """The ``context_fn`` that makes ``torch.utils.checkpoint`` selective with ``save_matmuls``."""
-    return functools.partial(create_selective_checkpoint_contexts, save_matmuls)
-
 
 def offload_moves(device: torch.device) -> tuple[bool, str]:
     """Whether ``save_on_cpu`` takes saved tensors off ``device``, and why (a printable line)."""
@@ -104,14 +85,8 @@ def offload_moves(device: torch.device) -> tuple[bool, str]:
 
 
 def offloaded_loss(device: torch.device) -> Callable:
-    """``loss_of`` for ``train_step``: the forward under ``save_on_cpu`` (pinned on CUDA)."""
-
-    def loss_of(model, batch):
-        pin = device.type == "cuda"
-        with torch.autograd.graph.save_on_cpu(pin_memory=pin, device_type=device.type):
-            return model(**batch).loss
-
-    return loss_of
+    """``loss_of`` for ``train_step``: the model's loss with its forward under ``save_on_cpu``."""
+    return offloaded(model_loss, device)
 
 
 def set_checkpointing(model: torch.nn.Module, mode: str) -> None:
