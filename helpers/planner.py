@@ -4,7 +4,8 @@ Three steps, each a function returning dataclasses (the CLI ``python -m helpers 
 prints them):
 
 1. ``candidates``: every combination of micro-batch x accumulation (their product is the
-   effective batch), gradient checkpointing, precision, optimizer and attention, each with the
+   effective batch), what the step keeps for backward (none, full or selective checkpointing,
+   offload), precision, optimizer, attention and the weights' dtype, each with the
    estimator's predicted peak (``helpers.estimator``, arithmetic only) and whether it fits.
 2. ``shortlist``: the fitting ones ranked by a rough predicted cost; the cheapest few are
    worth measuring.
@@ -18,6 +19,7 @@ prints them):
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import itertools
 import re
@@ -33,6 +35,7 @@ from helpers.hardware import REFERENCE_CARDS, precision_problem
 from helpers.isolate import call_isolated, compare_runs
 from helpers.memory import CategoryTracker, memory_budget
 from helpers.names import (
+    ACTIVATION_SETTINGS,
     ATTENTION,
     AUTOCAST,
     PRECISIONS,
@@ -40,6 +43,7 @@ from helpers.names import (
     KiB,
     MiB,
     TiB,
+    activation_fields,
     human_bytes,
     weights_problem,
 )
@@ -50,6 +54,11 @@ from helpers.train import RunConfig
 
 DEFAULT_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")  # SGD is not a drop-in for transformers
 GC_COST = 4 / 3  # checkpointing repeats the forward: (1 + 1 + 2) / (1 + 2) of a step's FLOPs
+# Rough guesses, only to order candidates for timing (plan measures; plan_for_card says so):
+# selective checkpointing keeps the matmuls' outputs and recomputes only element-wise work;
+# offload copies each saved tensor to the host and back, partly hidden behind compute.
+SELECTIVE_COST = 1.1
+OFFLOAD_COST = 1.25
 MICRO_BATCH_OVERHEAD_TOKENS = 128  # fixed cost of a micro-batch (launches, Python), in tokens
 
 # SI units are powers of ten (a GB is 10**9 bytes, as a card's box quotes it), binary units
@@ -119,6 +128,15 @@ class Candidate:
     estimate: Estimate | None = field(default=None, compare=False, repr=False)
     weight_dtype: str = "fp32"  # RunConfig.weight_dtype: "bf16" keeps no fp32 master copy
     bf16_update: str = "nearest"  # RunConfig.bf16_update (kahan for full bf16 fine-tuning)
+    checkpoint_policy: str = "full"  # RunConfig.checkpoint_policy (with gradient_checkpointing)
+    offload_activations: bool = False  # RunConfig.offload_activations
+
+    @property
+    def activations(self) -> str:
+        """Its entry of ``names.ACTIVATION_SETTINGS``: none, full, selective or offload."""
+        if self.offload_activations:
+            return "offload"
+        return self.checkpoint_policy if self.gradient_checkpointing else "none"
 
     @property
     def label(self) -> str:
@@ -134,7 +152,7 @@ class Candidate:
             *weights,
             self.optimizer,
             self.attn,
-        ] + (["checkpointing"] if self.gradient_checkpointing else [])
+        ] + ACTIVATION_LABELS[self.activations]
         return ", ".join(parts)
 
     def run_config(self, model, seq_len: int, device: str | None = None, **extra) -> RunConfig:
@@ -150,12 +168,19 @@ class Candidate:
             weight_dtype=self.weight_dtype,
             bf16_update=self.bf16_update,
             gradient_checkpointing=self.gradient_checkpointing,
+            checkpoint_policy=self.checkpoint_policy,
+            offload_activations=self.offload_activations,
             attn=self.attn,
             grad_accum=self.grad_accum,
             device=device,
             label=self.label,
             **extra,
         )
+
+
+ACTIVATION_LABELS = {"none": [], "full": ["checkpointing"],
+                     "selective": ["selective checkpointing"],
+                     "offload": ["offloaded activations"]}  # fmt: skip
 
 
 @dataclass
@@ -250,11 +275,13 @@ def predicted_cost(c: Candidate, seq_len: int, device_type: str) -> float:
     """Rough relative time of one optimizer step, used only to pick which candidates to time.
 
     Tokens processed, plus a fixed overhead per micro-batch; x4/3 with checkpointing (one more
-    forward); 16-bit autocast halves matmul time on a GPU with tensor cores but costs extra
+    forward), less for selective checkpointing and offload (``SELECTIVE_COST``, ``OFFLOAD_COST``,
+    guesses); 16-bit autocast halves matmul time on a GPU with tensor cores but costs extra
     casts on a CPU without 16-bit arithmetic; SDPA is slightly cheaper than eager attention.
     """
     tokens = c.micro_batch * seq_len + MICRO_BATCH_OVERHEAD_TOKENS
-    cost = c.grad_accum * tokens * (GC_COST if c.gradient_checkpointing else 1.0)
+    kept = {"none": 1.0, "full": GC_COST, "selective": SELECTIVE_COST, "offload": OFFLOAD_COST}
+    cost = c.grad_accum * tokens * kept[c.activations]
     if c.precision in AUTOCAST:
         cost *= 0.5 if device_type == "cuda" else 1.5
     elif c.precision == "tf32":
@@ -273,22 +300,29 @@ def candidates(
     precisions=None,
     optimizers=None,
     attentions=ATTENTION,
-    checkpointing=(False, True),
+    checkpointing=None,
     lora_r: int = 0,
     lora_targets: str = "",
     qlora: bool = False,
     report: Callable[[int, int], None] | None = None,
     weights=None,
+    exhaustive: bool = False,
 ) -> list[Candidate]:
     """Every configuration of the search space with its estimated peak; cheapest fitting first.
 
     A candidate fits when its estimated peak is within ``usable_budget(budget, device)``.
+    ``checkpointing``: entries of ``names.ACTIVATION_SETTINGS`` (True/False: full/none);
+    default all of them, offload only on a device it moves activations off (not the CPU).
     ``lora_r`` > 0 trains LoRA adapters (``qlora``: on 4-bit weights, 16-bit precisions only).
     ``weights``: (weight_dtype, bf16_update) pairs; default ``weight_settings``: fp32 weights,
     and bf16 weights with no master copy where bf16 is searched. bf16 weights train in bf16
     only, with AdamW (Kahan's) in full fine-tuning and any optimizer under LoRA.
+    Each setting's micro-batches are estimated from the largest down to the first that fits:
+    the smaller ones would fit too but cost more, so they cannot be the answer and are left
+    out (``exhaustive=True`` estimates them all; tests/test_plan.py checks both agree).
     A traced model takes a second or two per new setting: ``report(done, total)`` is called
-    after each estimate; without it a progress bar counts them.
+    after each estimate (the ones left out counted as done); without it a progress bar
+    counts them.
     """
     dev = resolve(device)
     limit = usable_budget(budget, dev)
@@ -302,27 +336,82 @@ def candidates(
         for attn in attentions
         for wd in {wd for wd, _ in weights}
     }
-    space = [
-        s
-        for s in itertools.product(
-            _divisors(effective_batch), checkpointing, precisions, optimizers, attentions, weights
-        )
-        if _searchable(s[2], s[3], *s[5], lora_r > 0)
-    ]
-    out = []
-    steps = progress(space, "estimating setups", unit="setup") if report is None else space
-    for micro, gc, prec, opt, attn, (wd, update) in steps:
-        accum = effective_batch // micro
-        est = estimate(infos[attn, wd], micro, seq_len, prec, opt, gc, attn, accum, device=dev,
-                       qlora=qlora, weight_dtype=wd, bf16_update=update)  # fmt: skip
-        c = Candidate(micro, accum, gc, prec, opt, attn, est.peak, est.peak <= limit, 0.0, est,
-                      wd, update)  # fmt: skip
-        out.append(replace(c, cost=predicted_cost(c, seq_len, dev.type)))
-        if report is not None:
-            report(len(out), len(space))
+    space = _space(effective_batch, activation_settings(checkpointing, dev), precisions,
+                   optimizers, attentions, weights, lora_r > 0)  # fmt: skip
+    estimate_one = functools.partial(_candidate, infos, effective_batch, seq_len, dev, qlora,
+                                     limit)  # fmt: skip
+    out = _descend(space, estimate_one, report, exhaustive)
     rank = {name: i for i, name in enumerate(optimizers)}  # ties: the order asked for
     out.sort(key=lambda c: (not c.fits, c.cost, rank[c.optimizer], c.estimated_peak))
     return out
+
+
+def _descend(space, estimate_one, report, exhaustive: bool) -> list[Candidate]:
+    """``candidates``' walk: each setting's micro-batches from the largest down, to the first
+    that fits (every one with ``exhaustive``); ``estimate_one(micro, *setting)``."""
+    kinds: dict[tuple, list[int]] = {}  # every setting but the micro-batch: its micro-batches
+    for micro, *kind in space:
+        kinds.setdefault(tuple(kind), []).append(micro)
+    bar = None if report else progress(None, "estimating setups", len(space), unit="setup")
+    out: list[Candidate] = []
+    done = 0
+    for kind, micros in kinds.items():
+        for micro in sorted(micros, reverse=True):
+            c = estimate_one(micro, *kind)
+            out.append(c)
+            # A smaller micro-batch of a setting that fits costs more (one more micro-batch's
+            # overhead per step, the same tokens): it is never the answer, so not estimated.
+            skip = sum(m < micro for m in micros) if c.fits and not exhaustive else 0
+            done += 1 + skip
+            _advance(bar, report, done, len(space))
+            if skip:
+                break
+    if bar is not None:
+        bar.close()
+    return out
+
+
+def _candidate(infos, effective_batch, seq_len, dev, qlora, limit, micro, act, prec, opt, attn,
+               weights) -> Candidate:  # fmt: skip
+    """One candidate of the search, estimated (``infos``: the ModelInfo per attention and
+    weights' dtype)."""
+    wd, update = weights
+    accum = effective_batch // micro
+    fields = activation_fields(act)
+    est = estimate(infos[attn, wd], micro, seq_len, prec, opt, attn=attn, grad_accum=accum,
+                   device=dev, qlora=qlora, weight_dtype=wd, bf16_update=update,
+                   **fields)  # fmt: skip
+    c = Candidate(micro, accum, fields["gradient_checkpointing"], prec, opt, attn, est.peak,
+                  est.peak <= limit, 0.0, est, wd, update, fields["checkpoint_policy"],
+                  fields["offload_activations"])  # fmt: skip
+    return replace(c, cost=predicted_cost(c, seq_len, dev.type))
+
+
+def _advance(bar, report, done: int, total: int) -> None:
+    """Move the progress bar (or call ``report``) to ``done`` of ``total`` setups."""
+    if report is not None:
+        report(done, total)
+    else:
+        bar.update(done - bar.n)
+
+
+def _space(effective_batch, kept, precisions, optimizers, attentions, weights, lora) -> list:
+    """The search's combinations that are settings at all (``_searchable``)."""
+    every = itertools.product(
+        _divisors(effective_batch), kept, precisions, optimizers, attentions, weights
+    )
+    return [s for s in every if _searchable(s[2], s[3], *s[5], lora)]
+
+
+def activation_settings(checkpointing, device: torch.device) -> list[str]:
+    """The activation settings to search (``candidates``' ``checkpointing``), as names."""
+    if checkpointing is None:
+        moves = device.type != "cpu"  # on the CPU save_on_cpu keeps every tensor where it is
+        return [s for s in ACTIVATION_SETTINGS if s != "offload" or moves]
+    names = [{True: "full", False: "none"}.get(s, s) for s in checkpointing]
+    for name in names:
+        activation_fields(name)  # ValueError for an unknown one
+    return list(dict.fromkeys(names))
 
 
 def _searchable(precision: str, optimizer: str, weight_dtype: str, update: str, lora: bool) -> bool:
@@ -492,6 +581,8 @@ def _variant(cands: list[Candidate], c: Candidate, **changes) -> Candidate | Non
         "micro_batch": c.micro_batch,
         "grad_accum": c.grad_accum,
         "gradient_checkpointing": c.gradient_checkpointing,
+        "checkpoint_policy": c.checkpoint_policy,
+        "offload_activations": c.offload_activations,
         "precision": c.precision,
         "optimizer": c.optimizer,
         "attn": c.attn,
@@ -509,7 +600,8 @@ def _savings(c: Candidate, cands: list[Candidate]) -> tuple[list[str], list[str]
     plain = [  # (what c chose, its plain alternative, the change to it)
         (c.grad_accum > 1, "one micro-batch of the whole batch",
          {"micro_batch": c.micro_batch * c.grad_accum, "grad_accum": 1}),
-        (c.gradient_checkpointing, "no checkpointing", {"gradient_checkpointing": False}),
+        (c.activations != "none", "no checkpointing or offload",
+         activation_fields("none")),
         (c.optimizer != "adamw", "AdamW", {"optimizer": "adamw"}),
         (c.weight_dtype != "fp32", "fp32 weights",
          {"weight_dtype": "fp32", "bf16_update": "nearest"}),
@@ -644,9 +736,9 @@ def search_outcomes(result: Plan, cands: list[Candidate]) -> list[SearchOutcome]
 
 
 def _kind(c: Candidate) -> tuple:
-    """What ``shortlist`` keeps varied: precision, optimizer, attention, checkpointing and the
-    weights' dtype."""
-    return (c.precision, c.optimizer, c.attn, c.gradient_checkpointing, c.weight_dtype)
+    """What ``shortlist`` keeps varied: precision, optimizer, attention, what the step keeps
+    for backward (checkpointing, offload) and the weights' dtype."""
+    return (c.precision, c.optimizer, c.attn, c.activations, c.weight_dtype)
 
 
 # -------------------------------------------------------------------------------------------

@@ -245,3 +245,29 @@ def test_bf16_weights_are_a_choice_of_the_calculator():
     assert calc.estimate == want and calc.error == ""
     assert calc.estimate.params < 0.51 * fp32_params and calc.estimate.weight_copies == 0
     assert "bf16 weights (kahan updates)" in calc._repr_mimebundle_()["text/plain"]
+
+
+@needs_widgets
+def test_lesson_16s_settings_are_choices_of_the_calculator():
+    """Selective checkpointing, offload, the step in backward and the chunked loss: the
+    estimator's numbers for each, and the setting named in the table."""
+    calc = calculator(precision="bf16", card="l4", interactive=True)
+    calc.controls["gradient_checkpointing"].value = True
+    calc.controls["checkpoint_policy"].value = "selective"
+    want = estimate("llama-tiny", 4, 256, "bf16", attn="eager", device="cuda",
+                    gradient_checkpointing=True, checkpoint_policy="selective")  # fmt: skip
+    assert calc.estimate == want and calc.error == ""
+    assert "selective checkpointing" in calc._repr_mimebundle_()["text/plain"]
+    calc.controls["gradient_checkpointing"].value = False
+    assert "turn gradient_checkpointing on" in calc.error
+    calc.controls["checkpoint_policy"].value = "full"
+    calc.controls["offload_activations"].value = True
+    assert calc.estimate == estimate("llama-tiny", 4, 256, "bf16", attn="eager", device="cuda",
+                                     offload_activations=True)  # fmt: skip
+    calc.controls["offload_activations"].value = False
+    calc.controls["optimizer_in_backward"].value = True
+    calc.controls["loss_chunk"].value = 64
+    assert calc.estimate == estimate("llama-tiny", 4, 256, "bf16", attn="eager", device="cuda",
+                                     optimizer_in_backward=True, loss_chunk=64)  # fmt: skip
+    text = calc._repr_mimebundle_()["text/plain"]
+    assert "optimizer step in backward" in text and "chunks of 64 tokens" in text

@@ -56,6 +56,8 @@ def test_candidates_cover_the_space_and_prune_by_the_estimate(cands):
     assert all(c.fits == (c.estimated_peak <= BUDGET) for c in cands)
     assert {c.micro_batch for c in cands} == {1, 2, 4, 8}
     assert {c.gradient_checkpointing for c in cands} == {False, True}
+    # on the CPU offload moves nothing, so it is not searched; selective checkpointing is
+    assert {c.activations for c in cands} == {"none", "full", "selective"}
     assert {c.attn for c in cands} == {"eager", "sdpa"}
     fitting = [c for c in cands if c.fits]
     assert 0 < len(fitting) < len(cands)  # the budget matters here: some in, some out
@@ -78,7 +80,7 @@ def test_candidates_cover_the_space_and_prune_by_the_estimate(cands):
 def test_shortlist_is_varied_and_fits(cands):
     picked = shortlist(cands, 4)
     assert len(picked) == 4 and all(c.fits for c in picked)
-    kinds = {(c.precision, c.optimizer, c.attn, c.gradient_checkpointing) for c in picked}
+    kinds = {(c.precision, c.optimizer, c.attn, c.activations) for c in picked}
     assert len(kinds) == 4
 
 
@@ -268,3 +270,53 @@ def test_cli_help_explains_every_category_it_prints(capsys):
         text = capsys.readouterr().out
         assert all(f"  {field}" in text for field in ESTIMATE_FIELDS), command
         assert "16GB = 16 x 10^9 bytes" in text
+
+
+def test_the_search_holds_every_activation_setting_each_estimated_as_its_run():
+    """Selective checkpointing and offload are candidates with their own estimates: each
+    candidate's peak is ``estimate_run`` of the RunConfig it would train (on a card: CUDA)."""
+    from helpers.estimator import estimate_run
+
+    space = dict(precisions=["bf16"], optimizers=["adamw"], attentions=["sdpa"],
+                 weights=[("fp32", "nearest")])  # fmt: skip
+    cands = candidates("llama-tiny", 64 * MiB, 2, 64, device="cuda", **space)
+    assert {c.activations for c in cands} == {"none", "full", "selective", "offload"}
+    for c in cands:
+        cfg = c.run_config("llama-tiny", 64, device="cuda")
+        assert estimate_run(cfg).peak == c.estimated_peak, c.label
+    offload = next(c for c in cands if c.activations == "offload" and c.micro_batch == 2)
+    none = next(c for c in cands if c.activations == "none" and c.micro_batch == 2)
+    assert offload.estimate.activations < none.estimate.activations
+    assert "offloaded activations" in offload.label
+
+
+def test_cli_plan_takes_the_activation_settings(capsys):
+    code = main(["plan", "--model", "llama-tiny", "--card", "t4", "--effective-batch", "2",
+                 "--seq-len", "64", "--precision", "fp16", "--optimizer", "adamw",
+                 "--activations", "selective,offload", "--json"])  # fmt: skip
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and out["best"].endswith(("selective checkpointing",
+                                                        "offloaded activations"))  # fmt: skip
+    code = main(["plan", "--model", "llama-tiny", "--card", "t4", "--effective-batch", "2",
+                 "--seq-len", "64", "--activations", "some"])  # fmt: skip
+    assert code == 2 and "unknown activation setting 'some'" in capsys.readouterr().err
+
+
+# On a card: 512 MiB of CUDA context assumed, then a 10 % margin: about 12.7 MiB usable.
+@pytest.mark.parametrize("device, budget", [("cpu", BUDGET), ("cuda", 526 * MiB)])
+def test_leaving_out_smaller_micro_batches_of_a_fitting_setting_changes_no_answer(device, budget):
+    """The search stops descending a setting's micro-batches at the first that fits: the same
+    cheapest candidates, in the same order, as estimating every one, with fewer estimates."""
+    space = {"optimizers": ["adamw"], "attentions": ["sdpa"]}
+    every = candidates(MODEL, budget, BATCH, SEQ, device=device, exhaustive=True, **space)
+    pruned = candidates(MODEL, budget, BATCH, SEQ, device=device, **space)
+    assert len(pruned) < len(every)
+    assert {c.label for c in pruned} <= {c.label for c in every}
+    fitting = [c for c in every if c.fits]
+    best_per_kind = {}
+    for c in fitting:  # cheapest first: the first of each setting is its answer
+        best_per_kind.setdefault(c.label.split(", ", 1)[1], c)
+    kept = [c for c in pruned if c.fits]
+    assert 0 < len(kept) and [c.label for c in kept] == [c.label for c in best_per_kind.values()]
+    assert any(not c.fits for c in pruned)
+    assert all(c.micro_batch * c.grad_accum == BATCH for c in pruned)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from helpers.names import (
     ATTENTION,
     BF16_UPDATES,
+    CHECKPOINT_POLICIES,
     OPTIMIZERS,
     PRECISIONS,
     WEIGHT_DTYPES,
@@ -62,7 +63,8 @@ CAPTION = (
     "at one moment, which is what must fit. Usable = total - CUDA context - 10% margin."
 )
 CHOICES = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "attn": ATTENTION,
-           "weight_dtype": WEIGHT_DTYPES, "bf16_update": BF16_UPDATES}  # fmt: skip
+           "weight_dtype": WEIGHT_DTYPES, "bf16_update": BF16_UPDATES,
+           "checkpoint_policy": CHECKPOINT_POLICIES}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,10 @@ class CalculatorSetting:
     lora_targets: str = ""  # as RunConfig.lora_targets ("": peft's default modules)
     weight_dtype: str = "fp32"  # as RunConfig: "bf16" keeps no fp32 copy (a LoRA base: fp16 too)
     bf16_update: str = "nearest"  # as RunConfig: kahan, stochastic (bf16 weights' AdamW)
+    checkpoint_policy: str = "full"  # as RunConfig: selective keeps matmuls' outputs too
+    offload_activations: bool = False  # as RunConfig: saved tensors in host memory
+    optimizer_in_backward: bool = False  # as RunConfig (lesson 16)
+    loss_chunk: int = 0  # as RunConfig: tokens per chunk of a causal LM's loss (lesson 16)
 
     @property
     def method(self) -> str:
@@ -98,6 +104,9 @@ class CalculatorSetting:
             self.gradient_checkpointing, self.attn, self.grad_accum, device="cuda",
             lora_r=self.lora_r, lora_targets=self.lora_targets, qlora=self.qlora,
             weight_dtype=self.weight_dtype, bf16_update=self.bf16_update,
+            checkpoint_policy=self.checkpoint_policy,
+            offload_activations=self.offload_activations,
+            optimizer_in_backward=self.optimizer_in_backward, loss_chunk=self.loss_chunk,
         )  # fmt: skip
 
     def describe(self) -> str:
@@ -107,12 +116,22 @@ class CalculatorSetting:
         parts = [
             self.model, f"micro-batch {self.batch_size} x {self.grad_accum} accumulated",
             f"sequence {self.seq_len}", self.precision, self.optimizer, f"{self.attn} attention",
-            "checkpointing" if self.gradient_checkpointing else "no checkpointing", method,
+            self._kept(), method,
         ]  # fmt: skip
+        if self.optimizer_in_backward:
+            parts.append("optimizer step in backward")
+        if self.loss_chunk:
+            parts.append(f"loss in chunks of {self.loss_chunk} tokens")
         if self.weight_dtype != "fp32":
             update = "" if self.bf16_update == "nearest" else f" ({self.bf16_update} updates)"
             parts.insert(4, f"{self.weight_dtype} weights{update}")
         return ", ".join(parts)
+
+    def _kept(self) -> str:
+        """What the step keeps for backward, in words."""
+        policy = "selective " if self.checkpoint_policy == "selective" else ""
+        kept = f"{policy}checkpointing" if self.gradient_checkpointing else "no checkpointing"
+        return kept + (", activations offloaded" if self.offload_activations else "")
 
 
 def bundled_models() -> list[str]:
@@ -260,7 +279,8 @@ def applied(setting: CalculatorSetting, best) -> CalculatorSetting:
         setting, batch_size=best.micro_batch, grad_accum=best.grad_accum,
         gradient_checkpointing=best.gradient_checkpointing, precision=best.precision,
         optimizer=best.optimizer, attn=best.attn, weight_dtype=best.weight_dtype,
-        bf16_update=best.bf16_update,
+        bf16_update=best.bf16_update, checkpoint_policy=best.checkpoint_policy,
+        offload_activations=best.offload_activations,
     )  # fmt: skip
 
 
@@ -470,6 +490,12 @@ def _controls(w, s: CalculatorSetting) -> dict:
         "lora_r": make(w.IntText, "LoRA rank (0: full)", s.lora_r),
         "qlora": make(w.Checkbox, "QLoRA (4-bit base)", s.qlora),
         "gradient_checkpointing": make(w.Checkbox, "checkpointing", s.gradient_checkpointing),
+        "checkpoint_policy": make(w.Dropdown, "checkpoint policy", s.checkpoint_policy,
+                                  options=CHECKPOINT_POLICIES),
+        "offload_activations": make(w.Checkbox, "offload activations", s.offload_activations),
+        "optimizer_in_backward": make(w.Checkbox, "optimizer step in backward",
+                                      s.optimizer_in_backward),
+        "loss_chunk": make(w.IntText, "loss chunk (tokens, 0: off)", s.loss_chunk),
     }  # fmt: skip
 
 
@@ -593,7 +619,8 @@ class Calculator:
         self._applying = True
         try:
             for name in ("batch_size", "grad_accum", "gradient_checkpointing", "precision",
-                         "optimizer", "attn", "weight_dtype", "bf16_update"):  # fmt: skip
+                         "optimizer", "attn", "weight_dtype", "bf16_update",
+                         "checkpoint_policy", "offload_activations"):  # fmt: skip
                 self.controls[name].value = getattr(target, name)
         finally:
             self._applying = False
@@ -653,6 +680,10 @@ def calculator(
     interactive: bool | None = None,
     weight_dtype: str = "fp32",
     bf16_update: str = "nearest",
+    checkpoint_policy: str = "full",
+    offload_activations: bool = False,
+    optimizer_in_backward: bool = False,
+    loss_chunk: int = 0,
 ):
     """The memory calculator: widgets in a kernel with ipywidgets, else a static table.
 
@@ -660,11 +691,15 @@ def calculator(
     False always gives the ``StaticCalculator``; True asks for widgets (without ipywidgets:
     the static table, saying how to install them). ``card``: a key of
     ``helpers.hardware.REFERENCE_CARDS`` ("t4", "l4", "a100-80", ...). ``weight_dtype`` and
-    ``bf16_update`` are ``RunConfig``'s (bf16 weights with no fp32 copy, and their AdamW).
+    ``bf16_update`` are ``RunConfig``'s (bf16 weights with no fp32 copy, and their AdamW), as
+    are ``checkpoint_policy``, ``offload_activations``, ``optimizer_in_backward`` and
+    ``loss_chunk`` (lesson 16's settings).
     """
     setting = CalculatorSetting(model, batch_size, seq_len, precision, optimizer,
                                 gradient_checkpointing, grad_accum, lora_r, qlora, attn, card,
-                                lora_targets, weight_dtype, bf16_update)  # fmt: skip
+                                lora_targets, weight_dtype, bf16_update, checkpoint_policy,
+                                offload_activations, optimizer_in_backward,
+                                loss_chunk)  # fmt: skip
     check_choices(setting)
     wanted = kernel_running() if interactive is None else interactive
     if not wanted:

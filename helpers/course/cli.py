@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 from helpers.names import (
+    ACTIVATION_SETTINGS,
     ATTENTION,
     BF16_UPDATES,
+    CHECKPOINT_POLICIES,
     OPTIMIZERS,
     PRECISIONS,
     STATE_DTYPES,
@@ -42,15 +44,7 @@ def _fail(message: str) -> int:
 
 # RunConfig's fields that ``measure`` and ``estimate`` leave at their defaults: _run_config
 # sets every other one from its option (tests/test_cli.py keeps the two lists covering it).
-NOT_CLI_OPTIONS = (
-    "grad_accum",
-    "data",
-    "budget",
-    "seed",
-    "label",
-    "optimizer_in_backward",
-    "loss_chunk",
-)
+NOT_CLI_OPTIONS = ("data", "budget", "seed", "label")
 
 
 def _run_config(args):
@@ -67,6 +61,11 @@ def _run_config(args):
         state_dtype=args.state_dtype,
         bf16_update=args.bf16_update,
         gradient_checkpointing=args.gradient_checkpointing,
+        checkpoint_policy=args.checkpoint_policy,
+        offload_activations=args.offload_activations,
+        optimizer_in_backward=args.optimizer_in_backward,
+        loss_chunk=args.loss_chunk,
+        grad_accum=args.grad_accum,
         lora_r=args.lora_r,
         lora_targets=args.lora_targets,
         qlora=args.qlora,
@@ -208,8 +207,11 @@ def _plan_space(args) -> tuple[dict, str | None]:
     precisions, bad_p = listed(args.precision, PRECISIONS, "precision")
     optimizers, bad_o = listed(args.optimizer, OPTIMIZERS, "optimizer")
     attentions, bad_a = listed(args.attn, ATTENTION, "attention")
-    problem = bad_p or bad_o or bad_a
+    kept, bad_k = listed(args.activations, ACTIVATION_SETTINGS, "activation setting")
+    problem = bad_p or bad_o or bad_a or bad_k
     space = {"lora_r": args.lora_r, "lora_targets": args.lora_targets, "qlora": args.qlora}
+    if kept:
+        space["checkpointing"] = kept
     if attentions:
         space["attentions"] = attentions
     if precisions:
@@ -514,7 +516,17 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
         help=f"{' | '.join(BF16_UPDATES)}: how AdamW updates bf16 weights (stochastic: "
         "torchao's rounding; kahan: torch-optimi's compensated sum)",
     )
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--checkpoint-policy", default="full", help=f"{' | '.join(CHECKPOINT_POLICIES)}"
+                   ": what checkpointed layers keep (selective: also what matmuls and attention "
+                   "return; lesson 16)")  # fmt: skip
+    p.add_argument("--offload-activations", action="store_true", help="tensors saved for "
+                   "backward go to host memory (save_on_cpu; lesson 16)")  # fmt: skip
+    p.add_argument("--optimizer-in-backward", action="store_true", help="each parameter steps "
+                   "as soon as its gradient exists (lesson 16)")  # fmt: skip
+    p.add_argument("--loss-chunk", type=int, default=0, help="causal LM: tokens of logits per "
+                   "chunk of the loss; 0: all at once (lesson 16)")  # fmt: skip
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (peft); 0: train all")
     p.add_argument("--lora-targets", default="", help='LoRA modules: "q_proj,v_proj", "all-linear"')
     p.add_argument("--qlora", action="store_true", help="LoRA on 4-bit frozen Linear weights (NF4)")
@@ -551,6 +563,9 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
         "--optimizer", default=None, help="comma list (default adamw,adamw8bit,adafactor)"
     )
     p.add_argument("--attn", default=None, help="comma list (default: sdpa with --card, both here)")
+    kept = ", ".join(ACTIVATION_SETTINGS)
+    p.add_argument("--activations", default=None, help=f"comma list of {kept}: what the step "
+                   "keeps for backward (default: all; offload with a GPU or --card)")  # fmt: skip
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator)")
     p.add_argument("--top-k", type=int, default=6, help="how many candidates to time")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (at least 5)")
