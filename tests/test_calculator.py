@@ -215,11 +215,11 @@ def test_suggest_reports_its_progress_in_the_suggestion_line(monkeypatch):
         calc_module, "suggest", lambda s, report: real(s, lambda d, t: seen.append((d, t)))
     )
     calculator("llama-tiny", card="t4", interactive=True).suggest_button.click()
-    assert (
-        seen
-        and seen[-1][0] == seen[-1][1]
-        and [d for d, _ in seen] == list(range(1, len(seen) + 1))
-    )
+    # One report per estimate; setups the search leaves out (smaller micro-batches of one that
+    # fits) count as done with it, so the count rises by one or more and ends at the total.
+    done = [d for d, _ in seen]
+    assert seen and seen[-1][0] == seen[-1][1] and len({t for _, t in seen}) == 1
+    assert done == sorted(set(done)) and done[0] >= 1
 
 
 def test_a_fitting_peak_in_a_precision_the_card_lacks_is_not_called_fits():

@@ -8,7 +8,8 @@ Each estimate runs in a fresh process (``helpers.isolate.call_isolated``), so it
 includes the traces a first estimate of a model makes, as a learner's first question does;
 one core each, one after another. The settings: Llama-3.2-3B (its published shape, built
 here from Llama-3.2-1B's config) and Llama-3.1-8B in bf16 with no fp32 copy, LoRA r16 on a
-bf16 base, QLoRA, each with checkpointing, batch 1 x 4096 on a CUDA card (on paper). Then
+bf16 base, QLoRA, each with checkpointing; full fine-tuning in bf16 with selective
+checkpointing, and with offloaded activations instead; batch 1 x 4096 on a CUDA card. Then
 ``plan_for_card`` over its default search for Llama-3.2-1B and Llama-3.1-8B on an L4.
 """
 
@@ -22,13 +23,17 @@ import time
 from helpers.isolate import call_isolated
 from helpers.models import config_path
 
-# Llama-3.2-3B's shape (meta-llama/Llama-3.2-3B, config.json); the rest as Llama-3.2-1B's.
+# Llama-3.2-3B's shape (meta-llama/Llama-3.2-3B's config.json; the same numbers in torchtune's
+# llama3_2 builders: 28 layers, 24 heads, 8 key/value heads, 3072 wide, 8192 in the MLP); the
+# rest (vocabulary, RoPE, tied embeddings) as Llama-3.2-1B's.
 LLAMA_3B = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                 num_attention_heads=24, num_key_value_heads=8, head_dim=128)  # fmt: skip
 SETTINGS = {
     "full, bf16 weights + Kahan": dict(weight_dtype="bf16", bf16_update="kahan"),
     "LoRA r16, bf16 base": dict(weight_dtype="bf16", lora_r=16, lora_targets="all-linear"),
     "QLoRA r16": dict(lora_r=16, lora_targets="all-linear", qlora=True),
+    "full, bf16, selective": dict(weight_dtype="bf16", checkpoint_policy="selective"),
+    "full, bf16, offload": dict(weight_dtype="bf16", offload_activations=True),
 }
 
 
@@ -37,7 +42,8 @@ def timed_estimate(model, setting: dict) -> tuple[float, float]:
     from helpers.estimator import estimate
 
     start = time.perf_counter()
-    est = estimate(model, 1, 4096, "bf16", gradient_checkpointing=True, attn="sdpa",
+    gc = not setting.get("offload_activations")  # offload instead of checkpointing
+    est = estimate(model, 1, 4096, "bf16", gradient_checkpointing=gc, attn="sdpa",
                    device="cuda", **setting)  # fmt: skip
     return time.perf_counter() - start, est.peak / 2**30
 

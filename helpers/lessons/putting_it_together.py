@@ -250,8 +250,9 @@ LORA_R = 16  # LoRA rank on every Linear of the layers ("all-linear"), as in the
 
 
 def your_model_space(card, method: str = "full") -> dict:
-    """The search: the card's 16-bit precision, SDPA, with or without checkpointing, AdamW
-    or 8-bit AdamW (optimizers are free; each other choice costs one trace), and the weights
+    """The search: the card's 16-bit precision, SDPA, what the step keeps for backward (none,
+    full or selective checkpointing, offload), AdamW or 8-bit AdamW (optimizers are free;
+    each other choice costs one trace), and the weights
     as practitioners keep them today: a LoRA base in 16 bits, full fine-tuning in bf16 with
     Kahan's AdamW where the card has bf16 (fp32 weights on one without)."""
     half = "bf16" if "bf16" in card_precisions(card) else "fp16"
