@@ -160,6 +160,8 @@ def test_a_gpu_gets_at_least_twelve_settings_at_the_full_scale(monkeypatch):
     assert "llama-400m sdpa bf16" in settings  # the decoder in bf16 where the card has it
     assert settings["qwen3-0.6b sdpa bf16 (traced)"].model == "qwen3-0.6b"  # traced estimator
     assert any(c.lora_r for c in settings.values()) and "bert-large tf32" in settings
+    assert settings["llama-400m selective checkpointing bf16"].checkpoint_policy == "selective"
+    assert settings["llama-400m offloaded activations bf16"].offload_activations  # GPU-checked
 
 
 def test_without_bitsandbytes_the_8bit_recipes_are_left_out(monkeypatch):

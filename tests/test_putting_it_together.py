@@ -1,5 +1,7 @@
 """The capstone's recipes, its table arithmetic and the CLI that prints it after `make course`."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from matplotlib.figure import Figure
@@ -7,10 +9,12 @@ from matplotlib.figure import Figure
 from helpers import results
 from helpers.course import cli
 from helpers.lessons.putting_it_together import (
+    PURE_BF16,
     SEED_RECIPES,
     ablation_table,
     half_precision,
     latest_records,
+    pure_bf16_problem,
     recipe_config,
     tradeoff_figure,
 )
@@ -185,3 +189,21 @@ def test_your_model_plans_in_worker_processes_equal_the_plans_made_here():
         assert (plan.best.label, plan.best.estimated_peak, plan.reason) == (
             here[key].best.label, here[key].best.estimated_peak, here[key].reason,
         ), key  # fmt: skip
+
+
+def test_the_pure_bf16_row_trains_every_tensor_in_bf16_and_has_no_v100_figures():
+    base = RunConfig(model="bert-tiny", batch_size=4, seq_len=16, precision="fp32")
+    cfg = recipe_config(PURE_BF16, base, "fp16")  # bf16 weights compute in bf16, never fp16
+    assert (cfg.precision, cfg.weight_dtype, cfg.bf16_update) == ("bf16", "bf16", "kahan")
+    assert (cfg.batch_size, cfg.grad_accum, cfg.gradient_checkpointing) == (4, 1, False)
+    assert cfg.problem() is None
+    records = {"vanilla": _record("vanilla", 10.0, 100)}
+    assert PURE_BF16.label not in ablation_table(records).index  # a row only once it ran
+    records[PURE_BF16.label] = _record(PURE_BF16.label, 8.0, 60)
+    table = ablation_table(records)
+    assert table.loc[PURE_BF16.label, "memory ratio"] == pytest.approx(0.6)
+    assert table.loc[PURE_BF16.label, ["V100 MB", "V100 memory ratio"]].isna().all()
+    assert isinstance(tradeoff_figure(table, "t"), Figure)
+    assert PURE_BF16.label in latest_records([replace(records[PURE_BF16.label], lesson="14")])
+    problem = pure_bf16_problem(torch.device("cpu"))
+    assert problem is None or problem.startswith("pure bf16 is left out: ")

@@ -201,7 +201,8 @@ def _reserve(cfg: GpuCheckConfig) -> float:
 def estimator_settings(device: str | None, quick: bool = False) -> dict[str, RunConfig]:
     """The settings part b runs: the capstone's nine recipes on the encoder, then the decoder
     with SDPA in 16-bit, a family only the traced estimator knows, LoRA, bf16 weights with no
-    fp32 copy (and their AdamW remedies, LoRA on a bf16 base) and tf32."""
+    fp32 copy (and their AdamW remedies, LoRA on a bf16 base), selective checkpointing,
+    offloaded activations and tf32."""
     d = resolve(device)
     scale = get_scale(device=d)
     base = scale.run_config(device=str(d), repeats=max(3, scale.repeats), label="vanilla")
@@ -222,6 +223,11 @@ def estimator_settings(device: str | None, quick: bool = False) -> dict[str, Run
     out[f"{scale.decoder} LoRA r16 {bf16}"] = replace(decoder, precision=bf16, lora_r=16,
                                                       lora_targets="all-linear")  # fmt: skip
     out.update(_bf16_weight_settings(decoder, scale.decoder, d))
+    # What the step keeps for backward (lesson 16): on a GPU, offload's estimate is checked here.
+    kept = replace(decoder, precision=bf16)
+    out[f"{scale.decoder} selective checkpointing {bf16}"] = replace(
+        kept, gradient_checkpointing=True, checkpoint_policy="selective")  # fmt: skip
+    out[f"{scale.decoder} offloaded activations {bf16}"] = replace(kept, offload_activations=True)
     if tf32_capable(d):
         out[f"{scale.encoder} tf32"] = replace(base, precision="tf32", flops=False)
     return {label: replace(c, label=label) for label, c in out.items()}
