@@ -288,15 +288,17 @@ LORA_R = 16  # LoRA rank on every Linear of the layers ("all-linear"), as in the
 
 def your_model_space(card, method: str = "full") -> dict:
     """The search: the card's 16-bit precision, SDPA, what the step keeps for backward (none,
-    full or selective checkpointing, offload), AdamW or 8-bit AdamW (optimizers are free;
-    each other choice costs one trace), and the weights
+    full or selective checkpointing; offload, which ``plan --card`` also searches, is left
+    out until a GPU has checked its CUDA estimate), AdamW or 8-bit AdamW (optimizers are
+    free; each other choice costs one trace), and the weights
     as practitioners keep them today: a LoRA base in 16 bits, full fine-tuning in bf16 with
     Kahan's AdamW where the card has bf16 (fp32 weights on one without)."""
     half = "bf16" if "bf16" in card_precisions(card) else "fp16"
     weights = {"lora": [(half, "nearest")], "full": [("bf16", BF16_FULL_UPDATE)]}
     if half != "bf16":
         weights["full"] = [("fp32", "nearest")]
-    space = {"precisions": (half,), "attentions": ("sdpa",), "optimizers": ("adamw", "adamw8bit")}
+    space = {"precisions": (half,), "attentions": ("sdpa",), "optimizers": ("adamw", "adamw8bit"),
+             "checkpointing": ("none", "full", "selective")}  # fmt: skip
     return {**space, "weights": weights[method]} if method in weights else space
 
 
