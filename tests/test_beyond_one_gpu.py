@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers import isolate
-from helpers.estimator import describe_model, estimate_per_rank
+from helpers.estimator import describe_model, estimate, estimate_per_rank
 from helpers.estimator.parallel import fsdp_all_gathers, shard_rows, sharded, traffic
 from helpers.lessons import beyond_one_gpu as lesson
 from helpers.scale import FULL
@@ -261,6 +261,22 @@ def test_fsdp_per_rank_state_falls_as_one_over_n_and_ddp_does_not():
     assert ddp[0].optimizer_state == ddp[1].optimizer_state
     assert fsdp[0].optimizer_state / fsdp[1].optimizer_state == pytest.approx(4, rel=0.01)
     assert fsdp[1].peak < fsdp[0].peak < ddp[0].peak
+
+
+def test_ddp_per_rank_takes_the_settings_of_one_process():
+    """LoRA on a bf16 base, selective checkpointing: one process's estimate plus DDP's buckets,
+    which hold the trained gradients in their own dtype (the fp32 adapters only here)."""
+    kw = dict(precision="bf16", weight_dtype="bf16", lora_r=4, lora_targets="all-linear",
+              gradient_checkpointing=True, checkpoint_policy="selective", device="cpu")  # fmt: skip
+    one = estimate("llama-tiny", 2, 32, **kw)
+    ddp = estimate_per_rank("llama-tiny", 2, "ddp", 2, 32, **kw)
+    info = describe_model("llama-tiny", lora_r=4, lora_targets="all-linear", weight_dtype="bf16")
+    trained = sum(p.nbytes for p in info.params if p.trainable)
+    assert 0 < trained < info.n_params  # the adapters only
+    assert ddp.communication_buffers == trained and ddp.peak == one.peak + trained
+    assert (ddp.params, ddp.gradients) == (one.params, one.gradients)
+    with pytest.raises(ValueError, match="no weight_dtype, lora_r, checkpoint_policy yet"):
+        estimate_per_rank("llama-tiny", 2, "fsdp", 2, 32, **kw)
 
 
 def test_the_estimator_says_what_it_does_not_model():

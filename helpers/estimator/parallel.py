@@ -70,6 +70,11 @@ class RankEstimate(Estimate):
     communication_buffers: int = 0  # DDP: gradient buckets; FSDP: all-gather outputs at once
 
 
+# Settings the FSDP walk does not model yet, at the value it does (DDP takes them all).
+FSDP_PLAIN = {"weight_dtype": "fp32", "lora_r": 0, "qlora": False, "checkpoint_policy": "full",
+              "offload_activations": False}  # fmt: skip
+
+
 def estimate_per_rank(
     model, world_size: int, strategy: str, batch_size: int, seq_len: int, **estimate_kwargs
 ) -> RankEstimate:
@@ -85,13 +90,22 @@ def estimate_per_rank(
         raise ValueError(f"unknown strategy {strategy!r}: use one of {PARALLEL_STRATEGIES}")
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
-    info = describe_model(model)
+    kw = estimate_kwargs
+    info = describe_model(model, kw.get("attn", "eager"), kw.get("lora_r", 0),
+                          kw.get("lora_targets", ""), kw.get("weight_dtype", "fp32"))  # fmt: skip
     if strategy == "ddp":
         one = estimate(info, batch_size, seq_len, **estimate_kwargs)
         return _ddp(one, info, world_size, _device_type(estimate_kwargs))
     optimizer = estimate_kwargs.get("optimizer", "adamw")
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"the FSDP estimate models adamw and sgd, not {optimizer!r}")
+    unmodelled = [k for k, plain in FSDP_PLAIN.items() if kw.get(k, plain) != plain]
+    if unmodelled:
+        names = ", ".join(unmodelled)
+        raise ValueError(
+            f"the FSDP estimate walks the analytical stage model, which has no {names} yet: "
+            "leave them at their defaults or estimate DDP"
+        )
     moments: list = []
     kwargs = {**estimate_kwargs, "path": "analytical"}
     one = estimate(info, batch_size, seq_len, moments=moments, **kwargs)
@@ -105,7 +119,9 @@ def _device_type(kwargs: dict) -> str:
 
 def _ddp(one: Estimate, info: ModelInfo, world_size: int, device_type: str) -> RankEstimate:
     """One process's account plus the gradient buckets, alive through the whole step."""
-    buckets = allocation_bytes(FP32 * info.n_trainable, device_type)  # one storage per bucket
+    # DDP's buckets hold the gradients in their own dtype (bf16 weights: 2 B each).
+    trained = sum(p.nbytes for p in info.params if p.trainable)
+    buckets = allocation_bytes(trained, device_type)  # one storage per bucket
     fields = {k: v for k, v in one.as_dict().items()}
     fields.update(peak=one.peak + buckets, communication_buffers=buckets)
     return RankEstimate(**fields, world_size=world_size, strategy="ddp")
