@@ -98,9 +98,7 @@ EXTRAPOLATED = [
     ("bert-tiny", "cuda", "bf16", True, "eager", 2, 0),
     ("mixtral-tiny", "cpu", "fp32", False, "eager", 2, 0),
     # what the step keeps for backward (RunConfig.checkpoint_policy, offload_activations)
-    ("qwen3-tiny", "cuda", "bf16", "selective", "sdpa", 1, 0),
-    ("gemma3-tiny", "cpu", "fp32", "selective", "eager", 2, 4),
-    ("qwen3-tiny", "cuda", "bf16", "offload", "sdpa", 2, 0),
+    ("qwen3-tiny", "cuda", "bf16", "selective", "sdpa", 2, 0),
     ("gpt2-tiny", "cuda", "fp32", "offload", "eager", 1, 4),
 ]
 
