@@ -8,9 +8,9 @@ import pytest
 
 from helpers.course import cli
 from helpers.estimator import estimate, estimate_run
-from helpers.memory import CategoryTracker
 from helpers.names import activations_problem
 from helpers.train import RunConfig, Trainee
+from tests.tracked import measured
 
 CATEGORIES = ("params", "buffers", "gradients", "optimizer_state", "activations",
               "temporaries", "weight_copies", "peak")  # fmt: skip
@@ -32,17 +32,6 @@ CASES = [("llama-tiny", name) for name in SETTINGS] + [
     for model in ("bert-tiny", "gpt2-tiny")
     for name in ("selective", "offload", "offload + full checkpointing")
 ]
-
-
-def measured(cfg: RunConfig):
-    """One steady-state step of ``cfg`` on this CPU, tracked (as ``helpers.train.measure``)."""
-    trainee = Trainee(cfg)
-    trainee.step()
-    tracker = CategoryTracker(device=trainee.device)
-    tracker.track_external(trainee.model, trainee.optimizer)
-    with tracker:
-        trainee.step()
-    return tracker.peaks()
 
 
 @pytest.mark.parametrize("model, setting", CASES)

@@ -13,7 +13,6 @@ from helpers.compat import importable
 from helpers.course import cli
 from helpers.device import allocation_bytes
 from helpers.estimator import describe_model, estimate, estimate_run
-from helpers.memory import CategoryTracker
 from helpers.optimizer_state import (
     ParamShape,
     expected_state,
@@ -22,6 +21,7 @@ from helpers.optimizer_state import (
     tracked_bytes,
 )
 from helpers.train import RunConfig, Trainee, make_optimizer
+from tests.tracked import measured
 
 CATEGORIES = ("params", "buffers", "gradients", "optimizer_state", "activations",
               "temporaries", "weight_copies", "peak")  # fmt: skip
@@ -48,17 +48,6 @@ def needs(setting: dict) -> None:
         module = "bitsandbytes"
     if module and not importable(module):
         pytest.skip(f"{module} is not installed")
-
-
-def measured(cfg: RunConfig):
-    """One steady-state step of ``cfg`` on this CPU, tracked (as ``helpers.train.measure``)."""
-    trainee = Trainee(cfg)
-    trainee.step()
-    tracker = CategoryTracker(device=trainee.device)
-    tracker.track_external(trainee.model, trainee.optimizer)
-    with tracker:
-        trainee.step()
-    return tracker.peaks()
 
 
 # Every setting on the decoder; on the encoder and on a family without a stage model (GPT-2)

@@ -15,10 +15,10 @@ from helpers.compat import importable
 from helpers.estimator import estimate
 from helpers.estimator import traced as T
 from helpers.estimator.qlora import nf4_bytes
-from helpers.memory import CategoryTracker
 from helpers.models import load_config
 from helpers.planner import card_precisions, plan_for_card
 from helpers.train import RunConfig, Trainee
+from tests.tracked import measured
 
 CATEGORIES = ("params", "buffers", "gradients", "optimizer_state", "activations",
               "temporaries", "weight_copies")  # fmt: skip
@@ -29,17 +29,6 @@ SETTINGS = {
     "accumulate 3": {"grad_accum": 3},
     "lora": {"lora_r": 4, "lora_targets": "all-linear"},
 }
-
-
-def measured(cfg: RunConfig):
-    """One steady-state step of ``cfg`` on this CPU, tracked (as ``helpers.train.measure``)."""
-    trainee = Trainee(cfg)
-    trainee.step()
-    tracker = CategoryTracker(device=trainee.device)
-    tracker.track_external(trainee.model, trainee.optimizer)
-    with tracker:
-        trainee.step()
-    return tracker.peaks()
 
 
 def estimated(cfg: RunConfig, **kw):
