@@ -30,7 +30,7 @@ import torch
 
 from helpers import train
 from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, is_cuda, present, resolve
-from helpers.estimator import Estimate, describe_model, estimate
+from helpers.estimator import Estimate, describe_model, estimate, model_state_floor
 from helpers.hardware import REFERENCE_CARDS, precision_problem
 from helpers.isolate import call_isolated, compare_runs
 from helpers.memory import CategoryTracker, memory_budget
@@ -130,6 +130,9 @@ class Candidate:
     bf16_update: str = "nearest"  # RunConfig.bf16_update (kahan for full bf16 fine-tuning)
     checkpoint_policy: str = "full"  # RunConfig.checkpoint_policy (with gradient_checkpointing)
     offload_activations: bool = False  # RunConfig.offload_activations
+    # True: not estimated, as the model state alone (weights, buffers, gradients, optimizer
+    # state) exceeds the budget; estimated_peak is that state, a lower bound of the peak.
+    peak_is_floor: bool = False
 
     @property
     def activations(self) -> str:
@@ -307,6 +310,7 @@ def candidates(
     report: Callable[[int, int], None] | None = None,
     weights=None,
     exhaustive: bool = False,
+    first_fit: bool = False,
 ) -> list[Candidate]:
     """Every configuration of the search space with its estimated peak; cheapest fitting first.
 
@@ -320,6 +324,9 @@ def candidates(
     Each setting's micro-batches are estimated from the largest down to the first that fits:
     the smaller ones would fit too but cost more, so they cannot be the answer and are left
     out (``exhaustive=True`` estimates them all; tests/test_plan.py checks both agree).
+    ``first_fit=True`` (``plan_for_card``, which needs only the answer) estimates the whole
+    space cheapest predicted first and stops after the first cost at which one fits, then
+    adds the answer's plain alternatives its explanation compares (``_cheapest_first``).
     A traced model takes a second or two per new setting: ``report(done, total)`` is called
     after each estimate (the ones left out counted as done); without it a progress bar
     counts them.
@@ -339,8 +346,12 @@ def candidates(
     space = _space(effective_batch, activation_settings(checkpointing, dev), precisions,
                    optimizers, attentions, weights, lora_r > 0)  # fmt: skip
     estimate_one = functools.partial(_candidate, infos, effective_batch, seq_len, dev, qlora,
-                                     limit)  # fmt: skip
-    out = _descend(space, estimate_one, report, exhaustive)
+                                     limit, first_fit and not qlora)  # fmt: skip
+    if first_fit:
+        cost = functools.partial(_setting_cost, effective_batch, seq_len, dev.type)
+        out = _cheapest_first(space, estimate_one, report, cost)
+    else:
+        out = _descend(space, estimate_one, report, exhaustive)
     rank = {name: i for i, name in enumerate(optimizers)}  # ties: the order asked for
     out.sort(key=lambda c: (not c.fits, c.cost, rank[c.optimizer], c.estimated_peak))
     return out
@@ -371,19 +382,73 @@ def _descend(space, estimate_one, report, exhaustive: bool) -> list[Candidate]:
     return out
 
 
-def _candidate(infos, effective_batch, seq_len, dev, qlora, limit, micro, act, prec, opt, attn,
-               weights) -> Candidate:  # fmt: skip
-    """One candidate of the search, estimated (``infos``: the ModelInfo per attention and
-    weights' dtype)."""
+def _cheapest_first(space, estimate_one, report, cost_of) -> list[Candidate]:
+    """``candidates``' walk with ``first_fit``: every setting in order of ``cost_of`` (the
+    predicted cost, known before estimating), up to the first cost at which one fits and its
+    ties; then the answer's plain alternatives not yet estimated (``_plain_changes``), which
+    its explanation compares. Nothing cheaper than the answer fits, so it is the answer an
+    exhaustive search gives (tests/test_plan.py)."""
+    order = sorted(space, key=lambda setting: cost_of(*setting))  # stable: ties keep order
+    bar = None if report else progress(None, "estimating setups", len(space), unit="setup")
+    out: list[Candidate] = []
+    found = None  # the cost at which a candidate first fitted
+    for setting in order:
+        if found is not None and cost_of(*setting) > found:
+            break
+        c = estimate_one(*setting)
+        out.append(c)
+        found = c.cost if c.fits and found is None else found
+        _advance(bar, report, len(out), len(space))
+    fitting = [c for c in out if c.fits]
+    if fitting:
+        best = min(fitting, key=lambda c: (c.cost, c.estimated_peak))
+        done = {_setting(c) for c in out}
+        for chosen, _, change in _plain_changes(best):
+            other = _setting(replace(best, **change))
+            if chosen and other in space and other not in done:
+                out.append(estimate_one(*other))
+                done.add(other)
+    _advance(bar, report, len(space), len(space))
+    if bar is not None:
+        bar.close()
+    return out
+
+
+def _setting(c: Candidate) -> tuple:
+    """A candidate's entry of the search space (``_space``): its micro-batch and settings."""
+    weights = (c.weight_dtype, c.bf16_update)
+    return (c.micro_batch, c.activations, c.precision, c.optimizer, c.attn, weights)
+
+
+def _unestimated(effective_batch, micro, act, prec, opt, attn, weights) -> Candidate:
+    """A setting of the search as a Candidate, before its estimate (peak 0, cost 0)."""
     wd, update = weights
-    accum = effective_batch // micro
     fields = activation_fields(act)
-    est = estimate(infos[attn, wd], micro, seq_len, prec, opt, attn=attn, grad_accum=accum,
-                   device=dev, qlora=qlora, weight_dtype=wd, bf16_update=update,
-                   **fields)  # fmt: skip
-    c = Candidate(micro, accum, fields["gradient_checkpointing"], prec, opt, attn, est.peak,
-                  est.peak <= limit, 0.0, est, wd, update, fields["checkpoint_policy"],
-                  fields["offload_activations"])  # fmt: skip
+    return Candidate(micro, effective_batch // micro, fields["gradient_checkpointing"], prec,
+                     opt, attn, 0, False, 0.0, None, wd, update, fields["checkpoint_policy"],
+                     fields["offload_activations"])  # fmt: skip
+
+
+def _setting_cost(effective_batch, seq_len, device_type, *setting) -> float:
+    """``predicted_cost`` of a setting of the search, which needs no estimate."""
+    return predicted_cost(_unestimated(effective_batch, *setting), seq_len, device_type)
+
+
+def _candidate(infos, effective_batch, seq_len, dev, qlora, limit, floor, micro, act, prec, opt,
+               attn, weights) -> Candidate:  # fmt: skip
+    """One candidate of the search, estimated (``infos``: the ModelInfo per attention and
+    weights' dtype). ``floor``: when the model state alone (``model_state_floor``) exceeds
+    ``limit`` the step cannot fit and is not estimated; the candidate's peak is that floor."""
+    c = _unestimated(effective_batch, micro, act, prec, opt, attn, weights)
+    info = infos[attn, c.weight_dtype]
+    state = model_state_floor(info, opt, dev.type, c.bf16_update) if floor else 0
+    if floor and state > limit:
+        c = replace(c, estimated_peak=state, peak_is_floor=True)
+        return replace(c, cost=predicted_cost(c, seq_len, dev.type))
+    est = estimate(info, micro, seq_len, prec, opt, attn=attn,
+                   grad_accum=c.grad_accum, device=dev, qlora=qlora, weight_dtype=c.weight_dtype,
+                   bf16_update=c.bf16_update, **activation_fields(act))  # fmt: skip
+    c = replace(c, estimated_peak=est.peak, fits=est.peak <= limit, estimate=est)
     return replace(c, cost=predicted_cost(c, seq_len, dev.type))
 
 
@@ -597,7 +662,21 @@ def _savings(c: Candidate, cands: list[Candidate]) -> tuple[list[str], list[str]
     """Each memory-saving choice of ``c`` against the same configuration without it: the
     alternatives that would not fit (it needs the saving), those that would, and the plain
     alternatives the search did not contain (not compared)."""
-    plain = [  # (what c chose, its plain alternative, the change to it)
+    needed, optional, unsearched = [], [], []
+    for chosen, name, change in _plain_changes(c):
+        other = _variant(cands, c, **change) if chosen else None
+        if other is not None:
+            note = f"{name} ({human_bytes(other.estimated_peak)})"
+            (optional if other.fits else needed).append(note)
+        elif chosen:
+            unsearched.append(name)
+    return needed, optional, unsearched
+
+
+def _plain_changes(c: Candidate) -> list[tuple[bool, str, dict]]:
+    """Each memory-saving choice ``c`` may have made: (whether it made it, the plain
+    alternative's name, the change to ``c`` that gives the alternative)."""
+    return [
         (c.grad_accum > 1, "one micro-batch of the whole batch",
          {"micro_batch": c.micro_batch * c.grad_accum, "grad_accum": 1}),
         (c.activations != "none", "no checkpointing or offload",
@@ -607,15 +686,6 @@ def _savings(c: Candidate, cands: list[Candidate]) -> tuple[list[str], list[str]
          {"weight_dtype": "fp32", "bf16_update": "nearest"}),
         (c.precision not in ("fp32", "tf32"), "fp32", {"precision": "fp32"}),
     ]  # fmt: skip
-    needed, optional, unsearched = [], [], []
-    for chosen, name, change in plain:
-        other = _variant(cands, c, **change) if chosen else None
-        if other is not None:
-            note = f"{name} ({human_bytes(other.estimated_peak)})"
-            (optional if other.fits else needed).append(note)
-        elif chosen:
-            unsearched.append(name)
-    return needed, optional, unsearched
 
 
 def _savings_text(c: Candidate, cands: list[Candidate], others: str) -> str:
@@ -758,11 +828,13 @@ class CardPlan:
     usable: int  # what an estimated peak may use (``usable_budget``)
     effective_batch: int
     seq_len: int
-    considered: int
+    considered: int  # candidates estimated
     fitting: list[Candidate]  # cheapest predicted first
     best: Candidate | None
     reason: str
-    smallest_peak: int = 0  # the lowest estimated peak of every candidate, fitting or not
+    smallest_peak: int = 0  # the lowest estimated peak (or model state) of every candidate
+    searched: int = 0  # the search space's size: estimated cheapest first, to the first fit
+    smallest_is_floor: bool = False  # smallest_peak is a model state alone (nothing traced)
 
 
 def card_precisions(card) -> list[str]:
@@ -798,38 +870,72 @@ def plan_for_card(
         card = REFERENCE_CARDS[card]
     lora = {"lora_r": lora_r, "lora_targets": lora_targets} if method != "full" else {}
     space.setdefault("precisions", card_precisions(card))
+    searched: list[int] = []  # the size of the space, as the search reports it
     cands = candidates(model, card.total_memory, effective_batch, seq_len, "cuda",
-                       qlora=method == "qlora", report=report, **lora, **space)  # fmt: skip
+                       qlora=method == "qlora", report=_counting(report, searched), **lora,
+                       first_fit=True, **space)  # fmt: skip
     fitting = [c for c in cands if c.fits]
     best = fitting[0] if fitting else None
     usable = usable_budget(card.total_memory, torch.device("cuda"))
     name = model if isinstance(model, str) else getattr(model, "model_type", "model")
-    reason = explain_for_card(best, cands, card, usable, method)
-    smallest = min(c.estimated_peak for c in cands)
+    reason = explain_for_card(best, cands, card, usable, method, searched[-1])
+    smallest = min(cands, key=lambda c: c.estimated_peak)
     return CardPlan(str(name), card.name, method, card.total_memory, usable, effective_batch,
-                    seq_len, len(cands), fitting, best, reason, smallest)  # fmt: skip
+                    seq_len, len(cands), fitting, best, reason, smallest.estimated_peak,
+                    searched[-1], smallest.peak_is_floor)  # fmt: skip
 
 
-def explain_for_card(best, cands, card, usable: int, method: str) -> str:
-    """One paragraph: what fits ``card`` and what each memory saving of the answer buys."""
+def _counting(report, total: list[int]):
+    """``report`` (or a progress bar, as ``candidates`` draws without one) that also keeps
+    the search's size in ``total``."""
+    bar: list = []
+
+    def counted(done: int, size: int) -> None:
+        total.append(size)
+        if report is not None:
+            report(done, size)
+            return
+        if not bar:
+            bar.append(progress(None, "estimating setups", size, unit="setup"))
+        _advance(bar[0], None, done, size)
+        if done == size:
+            bar[0].close()
+
+    return counted
+
+
+def explain_for_card(best, cands, card, usable: int, method: str, searched: int = 0) -> str:
+    """One paragraph: what fits ``card`` and what each memory saving of the answer buys
+    (``searched``: the size of the search space, default the candidates estimated)."""
+    searched = searched or len(cands)
     what = {"full": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA"}[method]
     if best is None:
         smallest = min(cands, key=lambda c: c.estimated_peak)
         est = smallest.estimate
-        state = est.params + est.gradients + est.optimizer_state if est else 0
-        return (
-            f"{what} does not fit the {card.name}: {human_bytes(usable)} of its "
-            f"{human_bytes(card.total_memory)} are usable (after the CUDA context and a 10 % "
-            f"margin), and the smallest estimated peak is {human_bytes(smallest.estimated_peak)} "
+        usable_text = (f"{what} does not fit the {card.name}: {human_bytes(usable)} of its "
+                       f"{human_bytes(card.total_memory)} are usable (after the CUDA context "
+                       "and a 10 % margin), and ")  # fmt: skip
+        shrink = ("Fewer trainable weights (LoRA), 4-bit frozen weights (QLoRA) or a shorter "
+                  "sequence would shrink it.")  # fmt: skip
+        if smallest.peak_is_floor:  # no setup's model state fits: nothing was traced
+            return usable_text + (
+                f"no setup's model state fits: the smallest, {smallest.label}, holds "
+                f"{human_bytes(smallest.estimated_peak)} of weights, gradients and optimizer "
+                f"state before any activation. {shrink}"
+            )
+        state = est.params + est.gradients + est.optimizer_state
+        return usable_text + (
+            f"the smallest estimated peak is {human_bytes(smallest.estimated_peak)} "
             f"({smallest.label}), of which weights, gradients and optimizer state are "
-            f"{human_bytes(state)}. Fewer trainable weights (LoRA), 4-bit frozen weights "
-            "(QLoRA) or a shorter sequence would shrink it."
+            f"{human_bytes(state)}. {shrink}"
         )
-    fit = [c for c in cands if c.fits]
+    cheaper = sum(c.cost < best.cost for c in cands)  # estimated first; none of them fits
     text = (
-        f"{what} on the {card.name}: {best.label} is predicted the fastest of {len(fit)} of "
-        f"{len(cands)} configurations estimated to fit {human_bytes(usable)} usable; its "
-        f"estimated peak is {human_bytes(best.estimated_peak)} "
+        f"{what} on the {card.name}: {best.label} is predicted the fastest of the {searched} "
+        f"configurations searched that fit {human_bytes(usable)} usable ("
+        + (f"the {cheaper} predicted faster were estimated and do not fit" if cheaper else
+           "none is predicted faster")
+        + f"); its estimated peak is {human_bytes(best.estimated_peak)} "
         f"({100 * best.estimated_peak / usable:.0f}% of that). "
-    )
+    )  # fmt: skip
     return text + _savings_text(best, cands, "but were predicted slower")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from helpers.course.cli import main
-from helpers.planner import candidates, parse_bytes, plan, shortlist
+from helpers.planner import candidates, card_precisions, parse_bytes, plan, shortlist
 
 MiB, GiB = 2**20, 2**30
 # bert-tiny at sequence length 64: 2.4 MB of fp32 weights, 14.8 MB peak at batch 4 with AdamW.
@@ -321,3 +322,77 @@ def test_leaving_out_smaller_micro_batches_of_a_fitting_setting_changes_no_answe
     assert 0 < len(kept) and [c.label for c in kept] == [c.label for c in best_per_kind.values()]
     assert any(not c.fits for c in pruned)
     assert all(c.micro_batch * c.grad_accum == BATCH for c in pruned)
+
+
+def test_plan_for_a_card_stops_at_the_first_fit_with_the_exhaustive_answer():
+    """plan_for_card estimates cheapest predicted first and stops at the first cost that
+    fits: the exhaustive search's cheapest fitting candidate, with fewer estimates, every
+    cheaper candidate estimated, and the answer's plain alternatives for its explanation."""
+    from helpers.hardware import REFERENCE_CARDS
+    from helpers.planner import _plain_changes, _variant, plan_for_card
+
+    card = replace(REFERENCE_CARDS["t4"], total_memory=526 * MiB)  # about 12.7 MiB usable
+    space = {"optimizers": ("adamw", "adafactor"), "attentions": ("sdpa",),
+             "precisions": card_precisions(card), "report": lambda done, total: None}  # fmt: skip
+    every = candidates("llama-tiny", card.total_memory, 8, 64, "cuda", exhaustive=True, **space)
+    first = candidates("llama-tiny", card.total_memory, 8, 64, "cuda", first_fit=True, **space)
+    best = every[0]
+    assert best.fits and first[0] == best and len(first) < len(every)
+    cheaper = {c.label for c in every if c.cost < best.cost}
+    assert cheaper <= {c.label for c in first if not c.fits}  # estimated, and none fits
+    compared = 0
+    for chosen, _, change in _plain_changes(best):
+        other = _variant(every, best, **change) if chosen else None
+        if other is not None:
+            assert _variant(first, best, **change) == other
+            compared += 1
+    assert compared  # the tight card needs savings: there is something to compare
+    space.pop("precisions")
+    answer = plan_for_card("llama-tiny", card, 8, 64, "full", **space)
+    assert answer.best == best and answer.considered == len(first)
+    assert answer.searched == len(every) and f"of the {len(every)} configurations" in answer.reason
+
+
+def test_plan_for_a_card_traces_nothing_when_no_model_state_fits(monkeypatch):
+    """Where weights, gradients and optimizer state alone exceed the card, no step is
+    estimated: the answer says so, with the smallest model state, a lower bound."""
+    from helpers import planner
+    from helpers.hardware import REFERENCE_CARDS
+
+    def traced(*args, **kwargs):
+        raise AssertionError("estimated a setting whose model state cannot fit")
+
+    monkeypatch.setattr(planner, "estimate", traced)
+    card = REFERENCE_CARDS["l4"]
+    answer = planner.plan_for_card("llama-3.1-8b", card, 8, 2048, "full",
+                                   report=lambda done, total: None)  # fmt: skip
+    assert answer.best is None and answer.smallest_is_floor
+    assert answer.considered == answer.searched and answer.smallest_peak > answer.usable
+    assert "no setup's model state fits" in answer.reason
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"optimizer": "adamw"},
+        {"optimizer": "adafactor", "precision": "bf16"},
+        {"optimizer": "adamw8bit", "gradient_checkpointing": True},
+        {"optimizer": "adamw", "precision": "bf16", "weight_dtype": "bf16", "bf16_update": "kahan"},
+        {"optimizer": "adamw", "precision": "bf16", "lora_r": 4, "lora_targets": "all-linear",
+         "weight_dtype": "bf16"},
+    ],
+)  # fmt: skip
+def test_model_state_floor_is_below_every_peak(setting, device):
+    """The planner's shortcut is a lower bound: a step holds at least its model state."""
+    from helpers.estimator import describe_model, estimate, model_state_floor
+
+    lora = {k: setting[k] for k in ("lora_r", "lora_targets") if k in setting}
+    wd = setting.get("weight_dtype", "fp32")
+    info = describe_model("llama-tiny", "sdpa", weight_dtype=wd, **lora)
+    est = estimate(info, 2, 32, attn="sdpa", device=device,
+                   **{k: v for k, v in setting.items() if k not in lora})  # fmt: skip
+    floor = model_state_floor(info, setting["optimizer"], device,
+                              setting.get("bf16_update", "nearest"))  # fmt: skip
+    assert floor == est.params + est.buffers + est.gradients + est.optimizer_state
+    assert floor <= est.peak

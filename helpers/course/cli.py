@@ -275,8 +275,9 @@ def _plan_card(args, space: dict) -> int:
         "usable": result.usable, "attentions": list(space["attentions"]),
         "best": best.label if best else None,
         "best_estimated_peak": best.estimated_peak if best else None,
-        "considered": result.considered, "fitting": len(result.fitting),
-        "smallest_peak": result.smallest_peak, "reason": result.reason,
+        "considered": result.considered, "searched": result.searched,
+        "fitting": len(result.fitting), "smallest_peak": result.smallest_peak,
+        "reason": result.reason,
     }  # fmt: skip
     if args.json:
         print(json.dumps(summary))
@@ -287,7 +288,8 @@ def _plan_card(args, space: dict) -> int:
           f"{result.usable / GiB:.1f} GiB usable of {result.budget / GiB:.1f} GiB")  # fmt: skip
     print(f"attention assumed: {', '.join(space['attentions'])} (--attn to change; "
           "transformers' default is sdpa)")  # fmt: skip
-    print(f"{result.considered} configurations estimated, {len(result.fitting)} fit")
+    print(f"{result.considered} of {result.searched} configurations estimated (cheapest "
+          f"predicted first, up to the first that fits), {len(result.fitting)} fit")  # fmt: skip
     if best is not None:
         est = best.estimate
         print(f"best: {best.label}, estimated peak {best.estimated_peak / GiB:.2f} GiB")

@@ -87,7 +87,7 @@ measurements here (tests/test_estimate.py); the CUDA branches (bool dropout mask
 softmax under autocast, fused SDPA, foreach optimizers) follow PyTorch's sources, unmeasured.
 """
 
-from helpers.estimator.api import estimate, estimate_run
+from helpers.estimator.api import estimate, estimate_run, model_state_floor
 from helpers.estimator.model import SUPPORTED, ModelInfo, ParamInfo, describe_model
 from helpers.estimator.parallel import estimate_per_rank
 from helpers.estimator.simulate import Estimate
@@ -108,6 +108,7 @@ __all__ = [
     "estimate",
     "estimate_per_rank",
     "estimate_run",
+    "model_state_floor",
     "optimizer_state_bytes",
     "optimizer_step_temporaries",
     "training_state",

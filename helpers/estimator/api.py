@@ -299,6 +299,23 @@ def _training_state(
     )
 
 
+def model_state_floor(info: ModelInfo, optimizer: str = "adamw", device_type: str = "cpu",
+                      bf16_update: str = "nearest") -> int:  # fmt: skip
+    """Bytes a step of ``info`` holds at once whatever its batch: weights, buffers, every
+    trained gradient and the optimizer's state (as the device allocates them), all alive when
+    the optimizer steps; a lower bound of ``estimate(...).peak`` (not for QLoRA, whose frozen
+    weights are 4-bit: ``info`` describes them unquantised). Arithmetic only: the planner
+    skips a setting's trace when this alone exceeds the budget.
+
+    Example:
+        >>> info = describe_model("llama-3.1-8b", "sdpa", weight_dtype="bf16")
+        >>> model_state_floor(info, "adamw", "cuda", "kahan") > 24 * 2**30  # not on an L4
+        True
+    """
+    state = _training_state(info, optimizer, device_type, bf16_update)
+    return state.params + state.buffers + state.gradients + state.optimizer_state
+
+
 def _steps_in_backward(info: ModelInfo, optimizer: str, device_type: str) -> dict:
     """Stage name -> (its largest gradient's bytes, that parameter's step scratch), for the
     optimizer steps inside backward: one parameter's gradient and step at a time."""

@@ -220,7 +220,10 @@ def trace_step(
     per micro-batch, checkpointing, precision and attention), and each optimizer's step once
     on it.
     """
-    key = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    # The trace builds the model in the dtype it is told (build_model's from_config sets the
+    # config's own): a bf16 and an fp16 frozen base are one trace.
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("dtype", "torch_dtype")}
+    key = json.dumps(fields, sort_keys=True, default=str)
     amp = precision in AUTOCAST  # fp16 and bf16 hold the same bytes, as do fp32 and tf32
     dtype = "bf16" if amp else "fp32"
     gc = checkpoint_policy if gradient_checkpointing else ""

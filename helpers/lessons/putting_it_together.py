@@ -338,7 +338,8 @@ def _plans_on_cards(model, method: str, cards) -> dict:
 
 def your_model_table(plans):
     """One row per plan: the answer, its estimated peak (where nothing fits, the smallest
-    peak of any setup, over the usable memory), the path that estimated it."""
+    peak of any setup, or the smallest model state where no setup's fits, over the usable
+    memory), the path that estimated it."""
     import pandas as pd
 
     rows = []
@@ -348,6 +349,7 @@ def your_model_table(plans):
             "answer": p.best.label if p.best else "does not fit",
             "peak GiB": round((p.best.estimated_peak if p.best else p.smallest_peak) / 2**30, 2),
             "usable GiB": round(p.usable / 2**30, 2),
-            "path": p.best.estimate.path if p.best else "(smallest peak)",
+            "path": p.best.estimate.path if p.best else
+                    "(model state alone)" if p.smallest_is_floor else "(smallest peak)",
         })  # fmt: skip
     return pd.DataFrame(rows).set_index(["model", "card", "method"])
