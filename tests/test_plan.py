@@ -122,8 +122,10 @@ def test_plan_refuses_a_device_that_is_not_here():
     # The plan times its candidates: it needs the device (the estimate alone does not).
     with pytest.raises(ValueError, match="not on this machine"):
         plan(MODEL, BUDGET, BATCH, SEQ, device="cuda")
-    space = dict(precisions=["bf16"], optimizers=["adamw"], attentions=["sdpa"])
-    assert candidates(MODEL, BUDGET, BATCH, SEQ, device="cuda", **space)  # estimating is fine
+    space = dict(precisions=["bf16"], optimizers=["adamw"], attentions=["sdpa"],
+                 checkpointing=["none", "full"], weights=[("fp32", "nearest")])  # fmt: skip
+    # estimating is fine (the stage model's settings: arithmetic only)
+    assert candidates(MODEL, BUDGET, BATCH, SEQ, device="cuda", **space)
 
 
 @pytest.mark.parametrize(
