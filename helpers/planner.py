@@ -347,11 +347,9 @@ def candidates(
                    optimizers, attentions, weights, lora_r > 0)  # fmt: skip
     estimate_one = functools.partial(_candidate, infos, effective_batch, seq_len, dev, qlora,
                                      limit, first_fit and not qlora)  # fmt: skip
-    if first_fit:
-        cost = functools.partial(_setting_cost, effective_batch, seq_len, dev.type)
-        out = _cheapest_first(space, estimate_one, report, cost)
-    else:
-        out = _descend(space, estimate_one, report, exhaustive)
+    cost = functools.partial(_setting_cost, effective_batch, seq_len, dev.type)
+    out = (_cheapest_first(space, estimate_one, report, cost) if first_fit
+           else _descend(space, estimate_one, report, exhaustive))  # fmt: skip
     rank = {name: i for i, name in enumerate(optimizers)}  # ties: the order asked for
     out.sort(key=lambda c: (not c.fits, c.cost, rank[c.optimizer], c.estimated_peak))
     return out
