@@ -40,9 +40,10 @@ def flat_grad(model: torch.nn.Module) -> torch.Tensor:
 def reorder_tolerance(reference: torch.Tensor, n_terms: int) -> float:
     """Absolute tolerance for a sum of ``n_terms`` fp32 numbers computed in another order.
 
-    Re-associating a sum of n floating-point numbers changes it by at most about n * eps times
-    the magnitudes summed (the classical bound for recursive summation); the largest gradient
-    entry stands in for that magnitude.
+    A heuristic, not a bound: the classical worst-case bound for recursive summation is about
+    (n - 1) * u * sum(|x_i|) (Higham, "Accuracy and Stability of Numerical Algorithms", ch. 4),
+    which needs every term's magnitude. Here n * eps times the largest gradient entry stands in
+    for it; with cancellation that entry can be smaller than sum(|x_i|).
     """
     return n_terms * FP32_EPS * float(reference.abs().max())
 
