@@ -9,8 +9,10 @@ compiles (the report's median leaves that step out and prints it apart), and a r
 an input shape changes. On a CPU this script defaults to the aot_eager backend, which captures
 the graphs but generates no code; --backend inductor compiles C++ there (about a minute, cold,
 for the tiny model on two busy cores). --mode reduce-overhead adds CUDA graphs, max-autotune
-tries kernel variants ("Methods and tools for efficient training on a single GPU", section
-"torch.compile", https://huggingface.co/docs/transformers/perf_train_gpu_one). Trainer:
+tries kernel variants and adds CUDA graphs too (max-autotune-no-cudagraphs without them;
+torch._inductor.list_mode_options) ("Methods and tools for efficient training on a single
+GPU", section "torch.compile", https://huggingface.co/docs/transformers/perf_train_gpu_one).
+Trainer:
 `TrainingArguments(torch_compile=True)`, with torch_compile_backend and torch_compile_mode.
 
     python recipes/compile.py --size 400m --batch-size 8 --seq-len 1024 --steps 20 --device cuda

@@ -5,10 +5,11 @@ A CPU-heavy input pipeline, and what lesson 11 measures about feeding a training
 Text is generated, never downloaded: made-up words built from syllables, and documents that
 are walks of a random Markov chain over those words. A WordPiece vocabulary of the syllables
 lets a real BERT tokenizer split every word into pieces. The collate function tokenises each
-whole document and cuts a random window of ``seq_len`` tokens from it, as language-model
-pre-training pipelines do; with transformers' pure-Python tokenizer that is slow enough to
-keep a training step waiting. The measuring functions take sizes, not objects, so they can
-run in a fresh process (``helpers.isolate.call_isolated``).
+whole document and cuts a random window of ``seq_len`` tokens from it, every time a document
+is drawn: a deliberate stand-in for a slow input pipeline (real pre-training pipelines
+tokenise once and cut windows from stored token ids). With transformers' pure-Python
+tokenizer that is slow enough to keep a training step waiting. The measuring functions take
+sizes, not objects, so they can run in a fresh process (``helpers.isolate.call_isolated``).
 """
 
 from __future__ import annotations
