@@ -127,9 +127,10 @@ def train(args, model, optimizer, loader, device):
     times, start = [], time.perf_counter()
     for batch in loader:
         batch = {k: v.to(device) for k, v in batch.items()}
-        # >>> Accelerate: inside accumulate(), backward() divides the loss by k (and scales it
-        # for fp16); step() and zero_grad() act, and DDP all-reduces the gradients, only on a
-        # window's last micro-batch (accelerator.sync_gradients)
+        # >>> Accelerate: accelerator.backward() divides the loss by k, inside accumulate() or
+        # not (a plain loss.backward() would not), and scales it for fp16; accumulate() lets
+        # step() and zero_grad() act, and DDP all-reduce the gradients, only on a window's last
+        # micro-batch (accelerator.sync_gradients)
         with args.accelerator.accumulate(model):
             loss = model(**batch).loss
             args.accelerator.backward(loss)

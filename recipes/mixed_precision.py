@@ -86,13 +86,15 @@ def build(args):
     # >>> mixed precision: what a GPU must support (SystemExit(message) exits without a
     # traceback, as sys.exit does). tf32 is no dtype but a mode of NVIDIA tensor cores from
     # Ampere (compute capability 8.0) on: fp32 tensors whose matmul inputs are rounded to 10
-    # mantissa bits; the older spelling is torch.backends.cuda.matmul.allow_tf32 = True.
+    # mantissa bits. It is set with PyTorch's fp32_precision API, as lesson 05 does; do not mix
+    # it with the legacy switches (torch.backends.cuda.matmul.allow_tf32,
+    # torch.set_float32_matmul_precision): reading a legacy one after this raises an error.
     # A CPU runs bf16 and fp16 autocast, in slow emulation where it lacks the instructions.
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     if args.precision == "tf32":
         if capability is None or capability < (8, 0):
             raise SystemExit("needs an NVIDIA GPU of compute capability 8.0+ for --precision tf32")
-        torch.set_float32_matmul_precision("high")  # fp32 matmuls may use tf32
+        torch.backends.cuda.matmul.fp32_precision = "tf32"  # fp32 matmuls may use tf32
     if args.precision == "bf16" and capability is not None and capability < (8, 0):
         raise SystemExit("needs compute capability 8.0+ for bf16: use --precision fp16")
     # <<<

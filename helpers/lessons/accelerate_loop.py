@@ -162,9 +162,10 @@ def accelerate_train(cfg: LoopConfig, model, optimizer, loader, scheduler):
         step_loss = 0.0
         for _micro_batch in range(cfg.gradient_accumulation_steps):
             batch = next(batches)
-            # accumulate(): backward() divides the loss by gradient_accumulation_steps, and
-            # step() and zero_grad() do nothing until the window's last micro-batch (nor does
-            # the gradient all-reduce between processes).
+            # accelerator.backward() divides the loss by gradient_accumulation_steps (a plain
+            # loss.backward() would not); accumulate() makes step() and zero_grad() do nothing
+            # until the window's last micro-batch (nor does the gradient all-reduce between
+            # processes).
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
