@@ -100,7 +100,9 @@ def build_model(args, device):
             sys.exit("lora.py --qlora needs bitsandbytes: pip install bitsandbytes")
         from transformers import BitsAndBytesConfig
 
+        # QLoRA's settings, none of them the default (fp4, fp32 scales, fp32 compute)
         nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                 bnb_4bit_use_double_quant=True,
                                  bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
         with tempfile.TemporaryDirectory() as folder:
             if not args.model_path:  # the random weights, saved so from_pretrained can load them

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from helpers.lessons.mixture_of_experts import (
     block_io,
+    expert_shares,
     ffn_params,
     pair_for,
     router_heatmap,
@@ -42,6 +45,26 @@ def test_router_shares_sum_to_one_per_layer():
     for layer in load.shares:
         assert abs(sum(layer) - 1) < 1e-9 and all(s >= 0 for s in layer)
     assert torch.isfinite(torch.tensor(load.aux_loss))
+    # A random router (std initializer_range) on RMS-normalised hidden states of unit scale:
+    # logits of size ~ 0.02 * sqrt(h), not 0.02.
+    config = load_config(pair_for("tiny")[0])
+    expected = config.initializer_range * config.hidden_size**0.5
+    assert 0.8 < load.logit_rms / expected < 1.2, (load.logit_rms, expected)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_aux_loss_fractions_sum_to_k_and_the_lesson_shares_to_one(k):
+    # transformers' f_e is assignments over tokens: with every probability exactly 1/E (zero
+    # logits) its loss E * sum_e f_e * (1/E) is sum_e f_e, which is k, not 1.
+    n_exp = 8
+    assert load_balancing_loss_func((torch.zeros(32, n_exp),), n_exp, k).item() == pytest.approx(k)
+    # The lesson's shares are f_e / k: they sum to 1 and rebuild transformers' loss exactly.
+    logits = torch.randn(64, n_exp, generator=torch.Generator().manual_seed(k))
+    shares = expert_shares(logits, k)
+    assert sum(shares) == pytest.approx(1)
+    probs = logits.softmax(-1).mean(0).tolist()  # P_e: each expert's mean probability
+    by_hand = n_exp * sum(k * s * p for s, p in zip(shares, probs, strict=True))
+    assert load_balancing_loss_func((logits,), n_exp, k).item() == pytest.approx(by_hand, rel=1e-5)
 
 
 def test_top_k_override_scales_the_experts_flops():

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from helpers.estimator import describe_model, estimate_run, training_state
-from helpers.lessons.peft_lora import adapter_params, meta_model, rank_for, trainable_counts
+from helpers.estimator.qlora import NF4_CODE
+from helpers.lessons.peft_lora import (
+    adapter_params,
+    four_bit_weight_bytes,
+    meta_model,
+    rank_for,
+    trainable_counts,
+)
 from helpers.memory import CategoryTracker
 from helpers.models import apply_lora, build_model, load_config
 from helpers.train import RunConfig, Trainee, measure
@@ -50,6 +57,22 @@ def test_seven_billion_arithmetic_from_the_config():
     assert full.optimizer_state == 12 * base  # the seed's 12 B per trainable parameter
     assert lora.optimizer_state == 12 * info.n_trainable  # about 2.4 GB
     assert 2.35e9 < lora.optimizer_state < 2.45e9
+
+
+def test_four_bit_llama_7b_keeps_embeddings_and_output_layer_16_bit():
+    # load_in_4bit quantises the layers' Linear weights; the embeddings (not a Linear) and the
+    # output layer (transformers' get_keys_to_not_convert) stay 16-bit: lesson 13, section 6.
+    net = meta_model("llama-7b")
+    linear = 32 * (4 * 4096**2 + 3 * 4096 * 11008)  # 224 weights, each a multiple of 64
+    rest = sum(p.numel() for p in net.parameters()) - linear
+    assert rest == 2 * 32000 * 4096 + (2 * 32 + 1) * 4096  # embeddings, output layer, norms
+    fp32_scales = four_bit_weight_bytes(net, double_quant=False)
+    # 0.5 B of codes + 4 B of scale per 64 weights, and a 16-value code book per weight
+    assert fp32_scales == 0.5625 * linear + 224 * NF4_CODE + 2 * rest
+    assert round(fp32_scales / 1e9, 1) == 4.2  # not 0.5625 B x every parameter (3.8 GB)
+    assert round(four_bit_weight_bytes(net) / 1e9, 1) == 3.9  # double quantisation
+    fp32_rest = four_bit_weight_bytes(net, double_quant=False, other_bytes=4)
+    assert fp32_rest - fp32_scales == 2 * rest  # prepare_model_for_kbit_training's fp32 cast
 
 
 @pytest.mark.parametrize(

@@ -295,7 +295,11 @@ def throughput_memory_figure(
 
 
 def matmul_figure(timing: MatmulTimingResult, title: str = "") -> Figure:
-    """Achieved TFLOP/s per matmul size, coloured by alignment: multiple of 64, of 8, or neither."""
+    """Achieved TFLOP/s per matmul size, coloured by alignment: multiple of 64, of 8, or neither.
+
+    Square sizes change M, N and K at once: the rule for layer widths, not for the batch size
+    (which changes M, the rows, alone).
+    """
     from matplotlib.patches import Patch  # slow: only figures need it
 
     fig = Figure(figsize=(7, 3.5), layout="constrained")
@@ -308,7 +312,7 @@ def matmul_figure(timing: MatmulTimingResult, title: str = "") -> Figure:
            color=[palette[g][0] for g in groups])  # fmt: skip
     ax.legend(handles=[Patch(color=c, label=lab) for c, lab in palette.values()],
               fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))  # fmt: skip
-    ax.set_xlabel("n (an n x n times n x n matmul)")
+    ax.set_xlabel("n (an n x n times n x n matmul: M, N and K all change)")
     ax.set_ylabel(f"TFLOP/s achieved ({timing.dtype})")
     ax.tick_params(axis="x", labelrotation=90)
     ax.set_title(title)

@@ -88,13 +88,30 @@ def train_flops_per_token(
 
 @dataclass
 class RouterLoadResult:
-    """Share of top-k assignments each expert received, per layer, and the aux loss."""
+    """Share of top-k assignments each expert received, per layer, and the aux loss.
+
+    A share is f_e / k, with f_e the fraction of tokens routed to expert e as transformers'
+    ``load_balancing_loss_func`` counts it (assignments over tokens): the shares of a layer
+    sum to 1, the f_e to k.
+    """
 
     shares: list[list[float]]  # [layer][expert], each layer sums to 1
     aux_loss: float  # Switch-Transformer balancing loss as transformers computes it
     balanced_aux_loss: float  # its value under perfectly uniform routing
     top_k: int  # experts each token is routed to
     tokens: int  # tokens routed (batch x sequence)
+    logit_rms: float  # root mean square of the router logits, all layers: ~ init std * sqrt(h)
+
+
+def expert_shares(logits: torch.Tensor, top_k: int) -> list[float]:
+    """Each expert's share of one layer's top-k assignments, from its (tokens, experts) logits.
+
+    The shares sum to 1; times ``top_k`` they are the f_e of the auxiliary loss, the fraction
+    of tokens that have expert e among their k.
+    """
+    chosen = torch.topk(logits.softmax(-1), top_k, dim=-1).indices  # (tokens, k)
+    counts = torch.bincount(chosen.reshape(-1), minlength=logits.shape[-1]).double()
+    return (counts / counts.sum()).tolist()
 
 
 def router_load(
@@ -115,15 +132,12 @@ def router_load(
     with torch.no_grad():
         out = model(input_ids=ids, output_router_logits=True)
     k, n_exp = config.num_experts_per_tok, config.num_local_experts
-    shares = []
-    for logits in out.router_logits:  # (tokens, experts) per layer
-        chosen = torch.topk(logits.softmax(-1), k, dim=-1).indices  # (tokens, k)
-        counts = torch.bincount(chosen.reshape(-1), minlength=n_exp).double()
-        shares.append((counts / counts.sum()).tolist())
+    shares = [expert_shares(logits, k) for logits in out.router_logits]  # (tokens, E) per layer
     aux = load_balancing_loss_func(out.router_logits, n_exp, k)
     # Uniform routing: each expert gets k/E of the tokens and 1/E of the probability, so the
     # loss E * sum_e f_e * P_e equals E * E * (k/E) * (1/E) = k.
-    return RouterLoadResult(shares, float(aux), float(k), k, batch * seq_len)
+    rms = torch.cat(out.router_logits).square().mean().sqrt()
+    return RouterLoadResult(shares, float(aux), float(k), k, batch * seq_len, float(rms))
 
 
 def block_io(model: torch.nn.Module, layer: int, input_ids: torch.Tensor):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from helpers.estimator.qlora import nf4_bytes
 from helpers.models import load_config, parse_targets, task_kind
 
 
@@ -51,6 +52,24 @@ def rank_for(model: torch.nn.Module, n_adapter: float, targets: str = "") -> int
     """The rank whose adapters come closest to ``n_adapter`` trainable numbers."""
     per_rank = adapter_params(model, 1, targets)
     return max(1, round(n_adapter / per_rank))
+
+
+def four_bit_weight_bytes(
+    model: torch.nn.Module, double_quant: bool = True, other_bytes: int = 2
+) -> int:
+    """Bytes of ``model``'s weights as ``BitsAndBytesConfig(load_in_4bit=True, ...)`` loads them.
+
+    transformers turns every Linear but the output layer into bitsandbytes' 4-bit ``Linear4bit``
+    (its ``get_keys_to_not_convert`` keeps the output layer); each such weight takes
+    ``helpers.estimator.qlora.nf4_bytes`` (codes and scales; ``double_quant``: 8-bit scales).
+    Everything else (embeddings, the output layer, norms, biases) keeps ``other_bytes`` per
+    number: 2 as loaded in 16 bits, 4 once ``prepare_model_for_kbit_training`` casts it to fp32.
+    """
+    four_bit = {id(model.get_submodule(name).weight) for name in target_names(model, "all-linear")}
+    return sum(
+        nf4_bytes(p.numel(), double_quant) if id(p) in four_bit else other_bytes * p.numel()
+        for p in model.parameters()
+    )
 
 
 def meta_model(config):
