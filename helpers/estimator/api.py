@@ -199,6 +199,8 @@ def _analytical(info, z: _Shape, optimizer, gc, attn, grad_accum, moments=None,
     _add_adapters(stages, info, z)
     if device_type == "cuda":
         _round_to_allocations(stages, info)
+    else:
+        _largest_grads(stages, info, device_type)
     state = _training_state(info, optimizer, device_type)
     base = state.params + state.buffers + state.optimizer_state
     steps = _steps_in_backward(info, optimizer, device_type) if in_backward else None
@@ -209,7 +211,9 @@ def _analytical(info, z: _Shape, optimizer, gc, attn, grad_accum, moments=None,
         n_params=info.n_params,
         params=state.params,
         buffers=state.buffers,
-        gradients=max(g for g, _ in steps.values()) if steps else state.gradients,
+        gradients=max(g for g, _ in steps.values())
+        if steps
+        else state.gradients + (max(st.largest_grad for st in stages) if grad_accum > 1 else 0),
         optimizer_state=state.optimizer_state,
         activations=act,
         temporaries=temp,
@@ -241,7 +245,9 @@ def _traced(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accu
     else:  # from helpers.estimator.state (CUDA's foreach kernels; Adafactor, 8-bit AdamW)
         state = _training_state(info, optimizer, device_type, bf16_update)
         opt_state, opt_temp = state.optimizer_state, state.step_temporaries
-        step = t.params + t.buffers + opt_state + t.gradients + opt_temp + t.leftovers
+        # Every gradient is there when the optimizer steps (the traced category's maximum
+        # may also hold an accumulated micro-batch's new gradient, gone by then).
+        step = t.params + t.buffers + opt_state + state.gradients + opt_temp + t.leftovers
     # The state is there through forward and backward; the step is one more moment.
     forward_backward = t.peak + opt_state
     peak, where = max((forward_backward, t.peak_at), (step, "optimizer step"), key=lambda x: x[0])
@@ -374,6 +380,15 @@ def _round_to_allocations(stages: list[Stage], m: ModelInfo) -> None:
             st.copies = sum(alloc(2 * p.numel) for p in mine if p.cast) + (tied and alloc(2 * tied))
         if st.pending_grads:
             st.pending_grads = alloc(st.pending_grads)
+    _largest_grads(stages, m, "cuda")
+
+
+def _largest_grads(stages: list[Stage], m: ModelInfo, device_type: str) -> None:
+    """Each stage's largest trainable parameter gradient, as the device allocates it."""
+    for st in stages:
+        mine = [allocation_bytes(FP32 * p.numel, device_type) for p in m.params
+                if p.stage == st.name and p.trainable]  # fmt: skip
+        st.largest_grad = max(mine, default=0)
 
 
 def _add_adapters(stages: list[Stage], m: ModelInfo, z: _Shape) -> None:

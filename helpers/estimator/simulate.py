@@ -136,6 +136,13 @@ def _backward(stages: list[Stage], walk: _Walk, base: int, grads: int, act: int,
         if st.region is not None and not st.input_in_saved:
             act -= st.checkpoint_input
         copies -= st.copies
+        if accumulate and st.largest_grad:
+            # Later micro-batches: a parameter's new gradient is a tensor of its own until
+            # AccumulateGrad adds it into p.grad; the largest of the stage's, counted as a
+            # gradient, with what the stage's backward has left alive.
+            new = grads + st.largest_grad
+            walk.seen(base + new + act + copies + pending, f"backward: {st.name}", new, act,
+                      copies + pending)  # fmt: skip
         if steps is not None:
             pending = _step_in_backward(st, walk, base + act, copies, pending, steps.get(st.name))
             continue

@@ -34,6 +34,7 @@ class Stage:
     recompute_temp: int = 0  # saved bytes the tracker labels temporaries when recomputed
     recompute_transient: int = 0  # alive at the end of recomputing this (last) stage
     pending_grads: int = 0  # gradient bytes labelled temporaries until the embedding's backward
+    largest_grad: int = 0  # its largest parameter gradient (accumulation: a new one is added)
 
 
 def _mask(elem: int, device_type: str) -> int:

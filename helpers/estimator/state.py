@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from helpers.device import allocation_bytes
 from helpers.estimator.model import FP32
 from helpers.names import OPTIMIZERS
 from helpers.optimizer_state import BNB_BLOCK, state_tensors, tracked_bytes
@@ -83,8 +84,12 @@ def optimizer_step_temporaries(
     rounding is compiled into fused kernels on a GPU (no scratch counted: not yet measured on
     one) and on a CPU runs eagerly, where only its trace knows the scratch (traced path).
     """
+
+    def alloc(nbytes: int) -> int:  # each scratch tensor is its own allocation
+        return allocation_bytes(nbytes, device_type)
+
     trainable = [p for p in params if getattr(p, "trainable", True)]
-    sizes = [_elem(p) * math.prod(p.shape) for p in trainable]
+    sizes = [alloc(_elem(p) * math.prod(p.shape)) for p in trainable]
     if not sizes or optimizer in ("sgd", "adamw8bit"):
         # SGD updates in place. 8-bit AdamW: fused CUDA kernels; on the CPU its kernel is a
         # custom op whose scratch tensors the tracker cannot see.
@@ -98,11 +103,13 @@ def optimizer_step_temporaries(
                 "install torchao to estimate bf16_update stochastic on a CPU"
             )
         return 0
-    if device_type != "cpu":  # foreach implementations: one scratch list over all tensors
-        if optimizer == "adamw":
-            return sum(sizes)  # exp_avg_sq.sqrt() for every tensor at once
-        matrices = sum(n for n, p in zip(sizes, trainable, strict=True) if len(p.shape) >= 2)
-        return max(matrices, 2 * (sum(sizes) - matrices))  # var_estimates; vectors: 2 lists
+    if device_type != "cpu" and optimizer == "adamw":
+        # foreach, AdamW's default on CUDA: exp_avg_sq.sqrt() for every tensor at once.
+        return sum(sizes)
+    # One tensor at a time. Adafactor too on CUDA: torch.optim.Adafactor's step passes its
+    # foreach=None on, and the functional adafactor() takes the multi-tensor path only when
+    # foreach is true (torch/optim/_adafactor.py), whatever its docstring says of CUDA; an H200
+    # run measured the single-tensor scratch (reports/gpu/2026-11-28-nvidia-h200.md).
     worst, previous = 0, 0
     for p, size in zip(trainable, sizes, strict=True):
         if optimizer == "adamw":
@@ -112,9 +119,10 @@ def optimizer_step_temporaries(
         else:  # adafactor
             if len(p.shape) >= 2:
                 *lead, rows, cols = p.shape
-                means = _elem(p) * math.prod(lead) * (rows + cols)
+                e, n = _elem(p), math.prod(lead)
+                means = alloc(e * n * rows) + alloc(e * n * cols)
                 # row_var @ col_var, the previous one, and row_var.mean()'s one number
-                worst = max(worst, size + previous + means + _elem(p) * math.prod(lead))
+                worst = max(worst, size + previous + means + alloc(e * n))
             else:
                 worst = max(worst, 2 * size + previous)  # grad*grad and variance.clone()
         previous = size
