@@ -182,6 +182,10 @@ def make_optimizer(
         # As the Trainer does: embeddings keep 32-bit state, because quantising the state of
         # rarely-updated, widely-ranging embedding rows hurts training (bitsandbytes docs).
         manager = bnb.optim.GlobalOptimManager.get_instance()
+        # The manager is one per process and keys its overrides by parameter id and by
+        # (group, index): an earlier model's would reach this one's parameters (a recycled id,
+        # the same index). The overrides are read at the optimizer's first step.
+        manager.initialize()
         for module in model.modules():
             if isinstance(module, torch.nn.Embedding):
                 manager.register_module_override(module, "weight", {"optim_bits": 32})
