@@ -5,7 +5,9 @@ tracker over one steady-state step on the card (bert-large, sequence 512, torch 
 traced path, which runs here on fake tensors with CUDA's semantics, must give the same model
 state and temporaries to the byte. Its activations and peak fell short of the card's by 4 to
 17 KiB (small tensors, under one 512-byte block each, that the trace does not show): that
-measured gap is the bound below, not a tolerance chosen to pass.
+measured gap is the bound below, not a tolerance chosen to pass. The analytical stage model
+is held to the same rows; the gaps it still has are listed with what they are (xfail, strict:
+a fix makes them fail until the mark goes).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ REPORT = Path(__file__).parent.parent / "reports" / "gpu" / "2026-11-28-nvidia-h
 ROWS = [r for r in json.loads(REPORT.read_text())["estimator"] if "tracked" in r]
 EXACT = ("params", "gradients", "optimizer_state", "temporaries")
 SMALL_TENSORS = 17 * 1024  # the largest shortfall the card showed (activations, peak)
+# The stage model lumps the loss's scalars and rounds a moment's small tensors as one block
+# (tests/test_traced.py): its largest shortfall on these rows is 21.5 KiB.
+STAGE_SMALL_TENSORS = 22 * 1024
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r["label"] for r in ROWS])
@@ -41,3 +46,35 @@ def test_the_report_covers_the_settings_it_was_fixed_on():
     # gradient were wrong before this report; both are in it.
     labels = {r["label"] for r in ROWS}
     assert {"Adafactor", "Adafactor + accum + ckpt + 16-bit", "bs1 + accum 4"} <= labels
+
+
+# The stage model's known gaps on the card, each a tensor it does not place yet.
+ANALYTICAL_GAPS = {
+    # fp32 attention backward: one more b·s·h fp32 gradient alive at softmax's backward (8 MiB
+    # here); hidden under AdamW's larger optimizer-step scratch, seen under these two.
+    "Adafactor": "temporaries",
+    "8-bit AdamW": "temporaries",
+    # Accumulation + checkpointing + fp16: the peak moment is 4 MiB short.
+    "Adafactor + accum + ckpt + 16-bit": "peak",
+}
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        pytest.param(r, marks=pytest.mark.xfail(
+            strict=True, reason=f"stage model: {ANALYTICAL_GAPS[r['label']]} short"))
+        if r["label"] in ANALYTICAL_GAPS else r
+        for r in ROWS
+    ],
+    ids=[r["label"] for r in ROWS],
+)  # fmt: skip
+def test_the_analytical_estimate_equals_what_the_h200_tracked(row):
+    cfg = RunConfig(**{**row["config"], "device": "cpu"})
+    est = estimate(cfg.model, cfg.batch_size, cfg.seq_len, cfg.precision, cfg.optimizer,
+                   cfg.gradient_checkpointing, cfg.attn, cfg.grad_accum, "cuda",
+                   path="analytical")  # fmt: skip
+    card = row["tracked"]
+    assert {k: getattr(est, k) for k in EXACT} == {k: card[k] for k in EXACT}
+    for key in ("activations", "peak"):
+        assert 0 <= card[key] - getattr(est, key) <= STAGE_SMALL_TENSORS, key

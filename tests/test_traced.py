@@ -158,6 +158,28 @@ def test_traced_agrees_with_the_analytical_model(family, dev, setting):
     assert abs(t.activations - a.activations) <= 0.07 * a.activations
 
 
+@pytest.mark.parametrize("gc", [False, True])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_bert_layer_keeps_the_fp32_attention_weights_it_is_returned(precision, gc):
+    """Under CUDA autocast eager attention's dropped probabilities are fp32 and backward keeps
+    their 16-bit cast; BertLayer holds the fp32 ones to its end (the H200 saw 64 MiB at
+    bert-large 4 x 512). Both paths count them: equal to the trace's small tensors (as fp32)."""
+    from helpers.estimator.encoder import _encoder_stages
+    from helpers.estimator.model import describe_model
+    from helpers.estimator.stages import _Shape
+
+    kw = dict(precision=precision, gradient_checkpointing=gc, attn="eager", device="cuda")
+    a = estimate("bert-tiny", 4, 64, path="analytical", **kw)
+    t = estimate("bert-tiny", 4, 64, path="traced", **kw)
+    z = _Shape(b=4, s=64, ea=2, amp=True, dev="cuda")
+    stages = {st.name: st for st in _encoder_stages(describe_model("bert-tiny"), z, "eager", gc)}
+    weights = 4 * 4 * 4 * 64 * 64  # fp32, b·a·s² (bert-tiny: 4 heads)
+    for name in ("L0.attn", "L0.mlp"):  # alive to the layer's end
+        assert stages[name].transient["attention weights returned to the layer"] == weights
+    for key in ("activations", "peak"):
+        assert 0 <= getattr(t, key) - getattr(a, key) <= 1536, key  # fp32's small-tensor gap
+
+
 def test_cuda_dropout_keeps_a_one_byte_mask():
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):

@@ -69,6 +69,7 @@ def _encoder_stages(m: ModelInfo, z: _Shape, attn: str, gc: bool) -> list[Stage]
             # that feeds it are alive (and under autocast the attention LayerNorm output, the
             # residual, that no one saves); the recomputed output itself is then dropped.
             mlp.recompute_transient = FP32 * x.th + z.ea * x.th + (FP32 * x.th if z.amp else 0)
+            mlp.recompute_transient += _returned_weights(x)
         stages += [at, mlp]
     return [*stages, *_bert_head_and_loss(x)]
 
@@ -114,10 +115,27 @@ def _bert_attention(x: _Bert, i: int) -> Stage:
         at.saved["context (.contiguous(), dense input)"] = ea * th
     _bert_add_norm(x, at)
     at.transient = {"output dropout result": ea * th, "LayerNorm output": FP32 * th}
+    if _returned_weights(x):
+        at.transient["attention weights returned to the layer"] = _returned_weights(x)
     if z.amp:
         at.transient["layer input (residual)"] = FP32 * th
     at.backward = _bert_attention_backward(x, at)
     return at
+
+
+def _returned_weights(x: _Bert) -> int:
+    """Bytes of the attention weights BertLayer holds to its end beyond what backward keeps.
+
+    Eager attention returns its (dropped) probabilities and ``BertLayer.forward`` keeps them
+    in a local (``self_attention_output, _ = self.attention(...)``) until it returns. Under
+    CUDA autocast they are fp32 (softmax runs in fp32) while backward keeps their 16-bit cast:
+    one more fp32 a·s² tensor alive to the end of the layer, in forward and in a recompute.
+    Elsewhere the returned tensor is one backward keeps anyway (0); SDPA returns none.
+    """
+    if x.fused or x.p_attn == 0:
+        return 0
+    kept = x.es if x.math_sdpa else x.z.ea  # the dtype of the dropped probabilities kept
+    return x.es * x.scores if kept != x.es else 0
 
 
 def _bert_norm_saved(x: _Bert) -> dict[str, int]:
@@ -194,6 +212,8 @@ def _bert_mlp(x: _Bert, i: int) -> Stage:
     mlp.saved["GELU output"] = ea * ti
     _bert_add_norm(x, mlp)
     mlp.transient = {"output dropout result": ea * th, "layer output": FP32 * th}
+    if _returned_weights(x):
+        mlp.transient["attention weights returned to the layer"] = _returned_weights(x)
     if z.amp:
         mlp.transient["attention LayerNorm output (residual)"] = FP32 * th
         mlp.transient["layer input (encoder loop variable)"] = FP32 * th
