@@ -175,6 +175,10 @@ def _bert_attention_backward(x: _Bert, at: Stage) -> list[Moment]:
         mask = _mask(x.es, z.dev) * scores if x.p_attn > 0 else 0
         dropped = (x.es if x.math_sdpa else ea) * scores if x.p_attn > 0 else 0
         probs, ctx = x.es * scores, ea * th
+        # The output dense's input gradient (the context's) stays alive in the tracked step
+        # through the scores' backward, to the q/k/v projections (the tracker's op-by-op
+        # record on the CPU; the H200's fp32 rows: 8 MiB at bert-large 4 x 512).
+        held = ea * th
         moments += [
             # bmm(probs, v) backward: gradient of the (dropped) probabilities and of v
             Moment(
@@ -184,11 +188,13 @@ def _bert_attention_backward(x: _Bert, at: Stage) -> list[Moment]:
             ),
             # dropout and softmax backward: two score-sized gradients
             Moment(
-                g + eq * th + 2 * x.es * scores, released=ln + ctx + dropped + eq * th, **after_o
+                g + held + eq * th + 2 * x.es * scores,
+                released=ln + ctx + dropped + eq * th,
+                **after_o,
             ),
             # bmm(q, k^T) backward: gradient of the scores, of q and of k
             Moment(
-                g + 3 * eq * th + x.es * scores,
+                g + held + 3 * eq * th + x.es * scores,
                 released=ln + ctx + dropped + eq * th + mask + probs,
                 **after_o,
             ),
