@@ -31,14 +31,20 @@ STAGE_SMALL_TENSORS = 22 * 1024
 
 @pytest.mark.parametrize("row", ROWS, ids=[r["label"] for r in ROWS])
 def test_the_traced_estimate_equals_what_the_h200_tracked(row):
+    _check_against_the_card(row, "traced", SMALL_TENSORS)
+
+
+def _check_against_the_card(row: dict, path: str, small_tensors: int) -> None:
+    """``row``'s setting estimated on ``path`` for CUDA: the model state and temporaries the
+    card tracked, to the byte; its activations and peak at most ``small_tensors`` short."""
     cfg = RunConfig(**{**row["config"], "device": "cpu"})  # the card is not here
     est = estimate(cfg.model, cfg.batch_size, cfg.seq_len, cfg.precision, cfg.optimizer,
                    cfg.gradient_checkpointing, cfg.attn, cfg.grad_accum, "cuda",
-                   path="traced")  # fmt: skip
+                   path=path)  # fmt: skip
     card = row["tracked"]
     assert {k: getattr(est, k) for k in EXACT} == {k: card[k] for k in EXACT}
     for key in ("activations", "peak"):
-        assert 0 <= card[key] - getattr(est, key) <= SMALL_TENSORS, key
+        assert 0 <= card[key] - getattr(est, key) <= small_tensors, key
 
 
 def test_the_report_covers_the_settings_it_was_fixed_on():
@@ -67,11 +73,4 @@ ANALYTICAL_GAPS = {
     ids=[r["label"] for r in ROWS],
 )  # fmt: skip
 def test_the_analytical_estimate_equals_what_the_h200_tracked(row):
-    cfg = RunConfig(**{**row["config"], "device": "cpu"})
-    est = estimate(cfg.model, cfg.batch_size, cfg.seq_len, cfg.precision, cfg.optimizer,
-                   cfg.gradient_checkpointing, cfg.attn, cfg.grad_accum, "cuda",
-                   path="analytical")  # fmt: skip
-    card = row["tracked"]
-    assert {k: getattr(est, k) for k in EXACT} == {k: card[k] for k in EXACT}
-    for key in ("activations", "peak"):
-        assert 0 <= card[key] - getattr(est, key) <= STAGE_SMALL_TENSORS, key
+    _check_against_the_card(row, "analytical", STAGE_SMALL_TENSORS)

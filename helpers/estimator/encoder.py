@@ -115,8 +115,8 @@ def _bert_attention(x: _Bert, i: int) -> Stage:
         at.saved["context (.contiguous(), dense input)"] = ea * th
     _bert_add_norm(x, at)
     at.transient = {"output dropout result": ea * th, "LayerNorm output": FP32 * th}
-    if _returned_weights(x):
-        at.transient["attention weights returned to the layer"] = _returned_weights(x)
+    if returned := _returned_weights(x):
+        at.transient["attention weights returned to the layer"] = returned
     if z.amp:
         at.transient["layer input (residual)"] = FP32 * th
     at.backward = _bert_attention_backward(x, at)
@@ -218,8 +218,8 @@ def _bert_mlp(x: _Bert, i: int) -> Stage:
     mlp.saved["GELU output"] = ea * ti
     _bert_add_norm(x, mlp)
     mlp.transient = {"output dropout result": ea * th, "layer output": FP32 * th}
-    if _returned_weights(x):
-        mlp.transient["attention weights returned to the layer"] = _returned_weights(x)
+    if returned := _returned_weights(x):
+        mlp.transient["attention weights returned to the layer"] = returned
     if z.amp:
         mlp.transient["attention LayerNorm output (residual)"] = FP32 * th
         mlp.transient["layer input (encoder loop variable)"] = FP32 * th
