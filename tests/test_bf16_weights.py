@@ -1,6 +1,7 @@
 """bf16 weights with no fp32 master copy (RunConfig.weight_dtype, state_dtype, bf16_update):
-measured by the tracker and estimated on fake tensors, every category to the byte; the
-optimizers' state rules against the state they really hold; every refused combination."""
+measured by the tracker and estimated on fake tensors, every category to the byte (and by the
+stage model, for the Llama-style decoders, to the loss's scalars); the optimizers' state rules
+against the state they really hold; every refused combination."""
 
 from __future__ import annotations
 
@@ -67,12 +68,18 @@ def test_bf16_weights_estimated_to_the_byte(model, setting):
     needs(SETTINGS[setting])
     cfg = RunConfig(model=model, batch_size=2, seq_len=32, device="cpu", **BF16,
                     **SETTINGS[setting])  # fmt: skip
-    est, real = estimate_run(cfg), measured(cfg)
-    assert est.path == "traced"
+    traced, real = estimate_run(cfg, path="traced"), measured(cfg)
     for key in CATEGORIES:
-        assert getattr(est, key) == getattr(real, key), key
+        assert getattr(traced, key) == getattr(real, key), key
     if not cfg.lora_r:  # autocast has nothing to cast; peft's fp32 adapters it does cast
-        assert est.weight_copies == 0
+        assert traced.weight_copies == 0
+    # "auto": the stage model for the Llama-style decoders (full fine-tuning), which lumps the
+    # loss's two fp32 scalars (8 B); the trace for the other families and for LoRA.
+    est = estimate_run(cfg)
+    staged = model == "llama-tiny" and not cfg.lora_r
+    assert est.path == ("analytical" if staged else "traced")
+    for key in CATEGORIES:
+        assert abs(getattr(est, key) - getattr(real, key)) <= (8 if staged else 0), key
 
 
 def test_bf16_weights_halve_the_model_state():

@@ -123,6 +123,18 @@ SAVERS = {
     "both-checkpointing-sgd": dict(
         optimizer_in_backward=True, loss_chunk=16, gradient_checkpointing=True, optimizer="sgd"
     ),
+    # Under autocast the chunks' recomputed weight casts and 16-bit weight gradients (the
+    # stage model was 12 % over the tracker here before it counted them).
+    "chunked-bf16-checkpointing-sgd": dict(
+        loss_chunk=16, gradient_checkpointing=True, optimizer="sgd", precision="bf16"
+    ),
+    # bf16 weights (no fp32 master copy): the stage model in the weights' dtype.
+    "both-bf16-weights": dict(
+        optimizer_in_backward=True, loss_chunk=32, precision="bf16", weight_dtype="bf16"
+    ),
+    "chunked-bf16-weights-accum": dict(
+        loss_chunk=32, precision="bf16", weight_dtype="bf16", grad_accum=2
+    ),
 }
 
 

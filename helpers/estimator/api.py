@@ -10,7 +10,15 @@ import torch
 from helpers.device import allocation_bytes, resolve
 from helpers.estimator.decoder import _decoder_stages
 from helpers.estimator.encoder import _encoder_stages
-from helpers.estimator.model import EXPERTS_KEY, FP32, SUPPORTED, TRACED, ModelInfo, describe_model
+from helpers.estimator.model import (
+    DECODERS,
+    EXPERTS_KEY,
+    FP32,
+    SUPPORTED,
+    TRACED,
+    ModelInfo,
+    describe_model,
+)
 from helpers.estimator.qlora import qlora_estimate
 from helpers.estimator.simulate import Estimate, _simulate
 from helpers.estimator.stages import Moment, Stage, _Shape
@@ -70,7 +78,8 @@ def estimate(
     (``simulate.PredictedMoment``; lesson 15 draws them). Only the analytical path walks the
     step in stages, so ``moments`` asks for it and other architectures raise ValueError.
     ``weight_dtype``, ``state_dtype``, ``bf16_update``, ``checkpoint_policy`` and
-    ``offload_activations`` are ``RunConfig``'s, estimated on the traced path.
+    ``offload_activations`` are ``RunConfig``'s: 16-bit weights on both paths for the Llama-style
+    decoders (traced for the other families), the policy and offload on the traced path.
     """
     _check_setting(precision, optimizer, attn, batch_size, seq_len, grad_accum,
                    gradient_checkpointing, checkpoint_policy)  # fmt: skip
@@ -82,9 +91,10 @@ def estimate(
     if _choose_path(info, path, precision, qlora, moments is not None or savers,
                     kept != ("full", False)) == "analytical":  # fmt: skip
         z = _Shape(b=batch_size, s=seq_len, ea=PRECISION_BYTES[precision],
-                   amp=precision in AUTOCAST, dev=dev.type, chunk=loss_chunk)  # fmt: skip
+                   amp=precision in AUTOCAST, dev=dev.type, chunk=loss_chunk,
+                   ew=WEIGHT_BYTES[info.weight_dtype])  # fmt: skip
         return _analytical(info, z, optimizer, gradient_checkpointing, attn, grad_accum, moments,
-                           optimizer_in_backward)  # fmt: skip
+                           optimizer_in_backward, bf16_update)  # fmt: skip
     step = _traced(info, batch_size, seq_len, precision, optimizer, gradient_checkpointing,
                    attn, grad_accum, dev.type, frozen_16bit=qlora or weight_dtype != "fp32",
                    bf16_update=bf16_update, kept=kept)  # fmt: skip
@@ -134,12 +144,15 @@ def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool, staged
             "moments, optimizer_in_backward and loss_chunk come from the analytical stage "
             "model: use path='analytical'"
         )
-    if info.weight_dtype != "fp32" and (staged or path == "analytical"):
-        raise ValueError(
-            f"the analytical stage model knows fp32 weights; {info.weight_dtype} weights are "
-            "estimated on the traced path (path='traced' or 'auto'), which has no moments, "
-            "optimizer_in_backward or loss_chunk yet"
-        )
+    if info.weight_dtype != "fp32" and info.family not in SIXTEEN_BIT_FAMILIES:
+        if staged or path == "analytical":
+            raise ValueError(
+                f"the analytical stage model knows {info.weight_dtype} weights for "
+                f"{', '.join(DECODERS)}, not model_type {info.model_type!r}: use path='traced' "
+                "or 'auto' (the traced path has no moments, optimizer_in_backward or loss_chunk "
+                "yet)"
+            )
+        return "traced"
     if kept and (staged or path == "analytical"):
         raise ValueError(
             "selective checkpointing and offloaded activations are estimated on the traced "
@@ -159,8 +172,7 @@ def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool, staged
             "QLoRA trains LoRA adapters (lora_r > 0) in 16-bit compute (precision bf16 or "
             "fp16) and is estimated on the traced path"
         )
-    bf16 = info.weight_dtype != "fp32"
-    if path == "traced" or info.family == TRACED or (path == "auto" and lora) or qlora or bf16:
+    if path == "traced" or info.family == TRACED or (path == "auto" and lora) or qlora:
         return "traced"
     if kept:  # selective checkpointing, offload
         return "traced"
@@ -190,7 +202,7 @@ def _check_savers(
 
 
 def _analytical(info, z: _Shape, optimizer, gc, attn, grad_accum, moments=None,
-                in_backward=False):  # fmt: skip
+                in_backward=False, bf16_update="nearest"):  # fmt: skip
     """The stage model's estimate (the module doc); ``moments`` receives the walk's moments."""
     device_type = z.dev
     batch_size, seq_len = z.b, z.s
@@ -201,9 +213,9 @@ def _analytical(info, z: _Shape, optimizer, gc, attn, grad_accum, moments=None,
         _round_to_allocations(stages, info)
     else:
         _largest_grads(stages, info, device_type)
-    state = _training_state(info, optimizer, device_type)
+    state = _training_state(info, optimizer, device_type, bf16_update)
     base = state.params + state.buffers + state.optimizer_state
-    steps = _steps_in_backward(info, optimizer, device_type) if in_backward else None
+    steps = _steps_in_backward(info, optimizer, device_type, bf16_update) if in_backward else None
     act, temp, copies, peak, where = _simulate(
         stages, base, state.gradients, grad_accum > 1, state.step_temporaries, moments, steps
     )
@@ -226,6 +238,9 @@ def _analytical(info, z: _Shape, optimizer, gc, attn, grad_accum, moments=None,
 
 
 PATHS = ("auto", "analytical", "traced")
+# Families whose stage model knows 16-bit weights (BERT's LayerNorms and Mixtral's grouped
+# experts change dtype in ways only the trace follows so far).
+SIXTEEN_BIT_FAMILIES = ("decoder",)
 
 
 def _traced(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accum, device_type,
@@ -322,15 +337,17 @@ def model_state_floor(info: ModelInfo, optimizer: str = "adamw", device_type: st
     return state.params + state.buffers + state.gradients + state.optimizer_state
 
 
-def _steps_in_backward(info: ModelInfo, optimizer: str, device_type: str) -> dict:
+def _steps_in_backward(
+    info: ModelInfo, optimizer: str, device_type: str, bf16_update: str = "nearest"
+) -> dict:
     """Stage name -> (its largest gradient's bytes, that parameter's step scratch), for the
     optimizer steps inside backward: one parameter's gradient and step at a time."""
     out: dict[str, tuple[int, int]] = {}
     for p in info.params:
         if not p.trainable:
             continue
-        one = (allocation_bytes(FP32 * p.numel, device_type),
-               optimizer_step_temporaries(optimizer, [p], device_type))  # fmt: skip
+        one = (allocation_bytes(p.nbytes, device_type),
+               optimizer_step_temporaries(optimizer, [p], device_type, bf16_update))  # fmt: skip
         out[p.stage] = max(out.get(p.stage, (0, 0)), one, key=sum)
     return out
 
@@ -372,12 +389,14 @@ def _round_to_allocations(stages: list[Stage], m: ModelInfo) -> None:
                 part[key] = alloc(nbytes)
         mine = [p for p in m.params if p.stage == st.name]
         if st.grads:
-            st.grads = sum(alloc(FP32 * p.numel) for p in mine if p.trainable)
+            st.grads = sum(alloc(p.nbytes) for p in mine if p.trainable)
         if st.copies:
             tied = 0  # the tied input embedding, cast for the LM head
             if st.name == "head" and m.tied:
                 tied = next(p.numel for p in m.params if p.embedding and p.stage == "embed")
-            st.copies = sum(alloc(2 * p.numel) for p in mine if p.cast) + (tied and alloc(2 * tied))
+            fp32 = [p for p in mine if p.cast and p.dtype == torch.float32]  # autocast's copies
+            tied *= m.weight_dtype == "fp32"
+            st.copies = sum(alloc(2 * p.numel) for p in fp32) + (tied and alloc(2 * tied))
         if st.pending_grads:
             st.pending_grads = alloc(st.pending_grads)
     _largest_grads(stages, m, "cuda")
@@ -386,7 +405,7 @@ def _round_to_allocations(stages: list[Stage], m: ModelInfo) -> None:
 def _largest_grads(stages: list[Stage], m: ModelInfo, device_type: str) -> None:
     """Each stage's largest trainable parameter gradient, as the device allocates it."""
     for st in stages:
-        mine = [allocation_bytes(FP32 * p.numel, device_type) for p in m.params
+        mine = [allocation_bytes(p.nbytes, device_type) for p in m.params
                 if p.stage == st.name and p.trainable]  # fmt: skip
         st.largest_grad = max(mine, default=0)
 
@@ -411,13 +430,18 @@ def _add_adapters(stages: list[Stage], m: ModelInfo, z: _Shape) -> None:
             st.backward.append(Moment(temp=(FP32 + 2 * 2) * z.t * widest[st.name]))
 
 
+# RunConfig.weight_dtype -> bytes per weight (and residual-stream value: the model's dtype).
+WEIGHT_BYTES = {"fp32": FP32, "bf16": 2, "fp16": 2}
+
+
 # RunConfig's fields that change what a run measures but not its bytes: estimate_run reads
 # every other field (tests/test_estimate.py keeps the two lists covering the dataclass).
 NOT_ESTIMATED = ("data", "warmup", "repeats", "budget", "seed", "flops", "label")
 
 
-def estimate_run(cfg: RunConfig) -> Estimate:
-    """``estimate`` for a ``helpers.train.RunConfig``: the run ``measure(cfg)`` would measure."""
+def estimate_run(cfg: RunConfig, path: str = "auto") -> Estimate:
+    """``estimate`` for a ``helpers.train.RunConfig``: the run ``measure(cfg)`` would measure
+    (``path`` as ``estimate``'s)."""
     return estimate(
         cfg.model,
         batch_size=cfg.batch_size,
@@ -438,4 +462,5 @@ def estimate_run(cfg: RunConfig) -> Estimate:
         state_dtype=cfg.state_dtype,
         bf16_update=cfg.bf16_update,
         qlora=cfg.qlora,
+        path=path,
     )

@@ -57,7 +57,7 @@ def _decoder(m: ModelInfo, z: _Shape, attn: str, gc: bool) -> _Decoder:
         vocab=c["vocab_size"], p_attn=p_attn,
         use_cache=bool(c.get("use_cache", True)) and not gc, math_sdpa=math_sdpa,
         fused=attn == "sdpa" and not math_sdpa,
-        eager_mask=FP32 * z.b * z.s * z.s if attn == "eager" else 0,
+        eager_mask=z.ew * z.b * z.s * z.s if attn == "eager" else 0,  # the model's dtype
     )  # fmt: skip
 
 
@@ -70,45 +70,48 @@ def _decoder_stages(m: ModelInfo, z: _Shape, attn: str, gc: bool) -> list[Stage]
         at, mlp = _decoder_attention(x, i), mlp_stage(m, z, i)
         if gc:
             at.region = mlp.region = i
-            at.checkpoint_input = FP32 * x.th
+            at.checkpoint_input = z.ew * x.th
+            # The input RMSNorm saves the layer input itself only when it is fp32 already
+            # (16-bit weights: an fp32 upcast of it).
+            at.input_in_saved = z.ew == FP32
             # The post-attention residual sum is computed in the decoder layer's own forward,
             # outside any submodule: the tracker labels its recomputation a temporary.
-            mlp.recompute_temp = FP32 * x.th
-            # Recomputation stops once the last saved tensor is rebuilt; under autocast the
-            # post-attention RMSNorm output (not saved: the MLP keeps 16-bit casts) is still
-            # held by the decoder layer at that point.
-            mlp.recompute_transient += FP32 * x.th if z.amp else 0
+            mlp.recompute_temp = z.ew * x.th
+            # Recomputation stops once the last saved tensor is rebuilt; under autocast over
+            # fp32 weights the post-attention RMSNorm output (not saved: the MLP keeps 16-bit
+            # casts) is still held by the decoder layer at that point.
+            mlp.recompute_transient += FP32 * x.th if z.cast else 0
         stages += [at, mlp]
     return [*stages, *_decoder_head_and_loss(x)]
 
 
 def _decoder_embed(x: _Decoder) -> Stage:
     """The token embedding, the rotary tables, and what the checkpoints keep as arguments."""
-    m, g = x.m, x.g
-    emb = Stage("embed", grads=0 if m.tied else FP32 * m.stage_numel("embed"))
-    emb.saved["rotary cos, sin"] = 2 * FP32 * x.z.s * x.d
+    m, g, ew = x.m, x.g, x.z.ew
+    emb = Stage("embed", grads=0 if m.tied else m.stage_bytes("embed"))
+    emb.saved["rotary cos, sin"] = 2 * ew * x.z.s * x.d  # computed in fp32, cast to the model's
     if x.gc:  # the checkpoints keep the layers' arguments
         emb.saved["causal mask (checkpoint argument)"] = x.eager_mask
         emb.saved["position ids"] = INT64 * x.z.s
     if m.tied:  # the head's gradient for the shared weight, this one, and their sum
-        emb.backward = [Moment(temp=g + 2 * FP32 * x.vocab * x.h)]
+        emb.backward = [Moment(temp=g + 2 * ew * x.vocab * x.h)]
     else:  # embedding_dense_backward: a full-size gradient
-        emb.backward = [Moment(temp=g + FP32 * x.vocab * x.h)]
+        emb.backward = [Moment(temp=g + ew * x.vocab * x.h)]
     return emb
 
 
 def _decoder_attention(x: _Decoder, i: int) -> Stage:
     """Input RMSNorm, q/k/v projections with RoPE, attention, o_proj, residual sum."""
-    z, ea, tq, tkv, scores = x.z, x.z.ea, x.tq, x.tkv, x.scores
+    z, ea, ew, tq, tkv, scores = x.z, x.z.ea, x.z.ew, x.tq, x.tkv, x.scores
     at = _normed_stage(x.m, z, f"L{i}.attn", "input", "q/k/v", 3)
     qkv = probs = 0  # bytes of the saved q/k/v copies, and of the probabilities and masks
     cache_saved = False
     if x.fused:
-        if z.amp:
+        if z.cast:
             at.saved["q, k, v 16-bit casts"] = 2 * (tq + 2 * tkv)
         else:
-            at.saved["q (after RoPE)"] = FP32 * tq
-            at.saved["k, v" + (" (the KV-cache tensors)" if x.use_cache else "")] = 2 * FP32 * tkv
+            at.saved["q (after RoPE)"] = ew * tq
+            at.saved["k, v" + (" (the KV-cache tensors)" if x.use_cache else "")] = 2 * ew * tkv
             cache_saved = x.use_cache
         at.saved["attention output"] = ea * tq
         lse_len = z.s if z.dev == "cpu" else 32 * math.ceil(z.s / 32)
@@ -116,27 +119,28 @@ def _decoder_attention(x: _Decoder, i: int) -> Stage:
     else:
         if x.math_sdpa:
             qkv += _put(at, "q scaled, k, v repeated (fp32, math kernel)", 3 * FP32 * tq)
-        elif z.amp:
+        elif z.cast:
             qkv += _put(at, "q, k, v 16-bit copies (k, v repeated to all heads)", 3 * 2 * tq)
         elif x.a // x.kv > 1 or not x.use_cache:
-            qkv += _put(at, "q, k, v copies (matmul; k, v repeated to all heads)", 3 * FP32 * tq)
+            qkv += _put(at, "q, k, v copies (matmul; k, v repeated to all heads)", 3 * ew * tq)
         else:  # MHA reading the contiguous cache tensors: only q is copied
-            qkv += _put(at, "q copy (matmul)", FP32 * tq)
-            qkv += _put(at, "k, v (the KV-cache tensors)", 2 * FP32 * tkv)
+            qkv += _put(at, "q copy (matmul)", ew * tq)
+            qkv += _put(at, "k, v (the KV-cache tensors)", 2 * ew * tkv)
             cache_saved = True
         probs += _put(at, "attention probabilities (fp32 softmax)", FP32 * scores)
-        if x.p_attn > 0:
-            probs += _put(at, "attention dropout mask", _mask(FP32, z.dev) * scores)
+        if x.p_attn > 0:  # on the probabilities in the model's dtype (the math kernel: fp32)
+            mask = _mask(FP32 if x.math_sdpa else ew, z.dev)
+            probs += _put(at, "attention dropout mask", mask * scores)
         if z.amp and not x.math_sdpa:  # the matmul with v keeps a 16-bit copy
             probs += _put(at, "attention probabilities 16-bit copy", 2 * scores)
         elif x.p_attn > 0:
             probs += _put(at, "dropped probabilities", FP32 * scores)
         at.saved["context (o_proj input)"] = ea * tq
     if x.use_cache and not cache_saved:
-        at.forward_only["KV cache (fp32, held by the model output)"] = 2 * FP32 * tkv
-    at.transient = {"o_proj output": ea * x.th, "residual sum": FP32 * x.th}
-    if not x.fused:
-        at.transient["masked scores (softmax input)"] = FP32 * scores
+        at.forward_only["KV cache (held by the model output)"] = 2 * ew * tkv
+    at.transient = {"o_proj output": ea * x.th, "residual sum": ew * x.th}
+    if not x.fused:  # 16-bit scores plus the mask: the mask's dtype, the model's
+        at.transient["masked scores (softmax input)"] = ew * scores
         if not x.gc:
             at.transient["causal mask"] = x.eager_mask
     at.backward = _decoder_attention_backward(x, at, qkv, probs)
@@ -151,14 +155,14 @@ def _put(stage: Stage, label: str, nbytes: int) -> int:
 
 def _decoder_attention_backward(x: _Decoder, at: Stage, qkv: int, probs: int) -> list[Moment]:
     """The attention block's backward, node by node, from o_proj to the input RMSNorm."""
-    z, ea, g, tq, tkv, scores = x.z, x.z.ea, x.g, x.tq, x.tkv, x.scores
+    z, ea, ew, g, tq, tkv, scores = x.z, x.z.ea, x.z.ew, x.g, x.tq, x.tkv, x.scores
     o_numel = x.m.numel_named(at.name, "o_proj")
-    o_copy = 2 * o_numel if z.amp else 0
+    o_copy = 2 * o_numel if z.cast else 0
     w = _weight_grad(x.h * x.a * x.d, z)
     ctx = ea * tq
-    first = Moment(g + (2 * x.th if z.amp else 0) + ea * tq + w)
+    first = Moment(g + (2 * x.th if z.cast else 0) + ea * tq + w)  # g's 16-bit cast
     moments = [first, *_cast_moment(g + ea * tq, x.h * x.a * x.d, z, first, o_copy)]
-    after_o = {"grads_done": FP32 * o_numel, "copies_released": o_copy}
+    after_o = {"grads_done": x.m.stage_bytes(at.name, "o_proj"), "copies_released": o_copy}
     if x.fused:  # the kernel's backward: gradients of q, k, v at once
         moments.append(Moment(g + ea * tq + ea * (tq + 2 * tkv), released=0, **after_o))
     else:
@@ -171,14 +175,15 @@ def _decoder_attention_backward(x: _Decoder, at: Stage, qkv: int, probs: int) ->
             # bmm(q, k^T) backward: gradients of the scores, q and k
             Moment(g + 3 * eg * tq + eg * scores, released=ctx + qkv // 3 + probs, **after_o),
         ]
-    # RoPE runs in fp32: q and k gradients in fp32, then the projections' backward. The input
-    # RMSNorm's tensors stay to the end, the projections' input until their backward.
+    # RoPE runs in the model's dtype (fp32 under autocast over fp32 weights): q and k
+    # gradients, then the projections' backward. The input RMSNorm's tensors stay to the
+    # end, the projections' input until their backward.
     saved, norm = sum(at.saved.values()), _rmsnorm_bytes(z, x.h)
-    proj_input = 3 * 2 * x.th if z.amp else FP32 * x.th
-    last = {"grads_done": at.grads - FP32 * x.h, "copies_released": at.copies}
+    proj_input = 3 * 2 * x.th if z.cast else ew * x.th
+    last = {"grads_done": at.grads - ew * x.h, "copies_released": at.copies}
     moments += [
         Moment(
-            g + FP32 * (tq + 2 * tkv) + ea * x.th + w, released=saved - norm - proj_input, **after_o
+            g + ew * (tq + 2 * tkv) + ea * x.th + w, released=saved - norm - proj_input, **after_o
         ),
         Moment(4 * g, released=saved - norm, **last),
     ]
@@ -189,27 +194,25 @@ def _decoder_head_and_loss(x: _Decoder) -> list[Stage]:
     """The final RMSNorm, lm_head (maybe tied to the embedding), and the causal-LM loss."""
     if x.z.chunk:
         return [_chunked_head_and_loss(x)]
-    m, z, ea, t, vocab, h = x.m, x.z, x.z.ea, x.z.t, x.vocab, x.h
-    cast = m.stage_numel("head", cast_only=True) + (vocab * h if m.tied else 0)
+    m, z, ea, ew, t, vocab, h = x.m, x.z, x.z.ea, x.z.ew, x.z.t, x.vocab, x.h
+    cast = m.stage_numel("head", cast_only=True) + (vocab * h if m.tied and z.cast else 0)
     head = Stage("head", copies=2 * cast if z.amp else 0)
-    head.grads = FP32 * m.stage_numel("head")
+    head.grads = m.stage_bytes("head")
     if m.tied:  # the shared weight's gradient stays a temporary until the embedding adds its own
-        head.pending_grads = FP32 * vocab * h
+        head.pending_grads = ew * vocab * h
     _rmsnorm(head, "final RMSNorm", z, h)
-    if z.amp:
+    if z.cast:
         head.saved["lm_head input cast"] = 2 * x.th
         head.forward_only["final RMSNorm output (held by the model output)"] = FP32 * x.th
     else:
-        head.saved["final RMSNorm output (lm_head input)"] = FP32 * x.th
+        head.saved["final RMSNorm output (lm_head input)"] = ew * x.th
     head.forward_only["logits (held by the model output)"] = ea * t * vocab
-    lm_copy = 2 * vocab * h if z.amp else 0
-    first = Moment(
-        FP32 * t * vocab + (2 * t * vocab if z.amp else 0) + ea * x.th + _weight_grad(vocab * h, z)
-    )
+    lm_copy = 2 * vocab * h if z.cast else 0
+    first = Moment((2 if z.amp else FP32) * t * vocab + ea * x.th + _weight_grad(vocab * h, z))
     head.backward = [
         first,
         *_cast_moment(ea * x.th, vocab * h, z, first, lm_copy),
-        Moment(4 * x.g, grads_done=FP32 * vocab * h, copies_released=head.copies),
+        Moment(4 * x.g, grads_done=ew * vocab * h, copies_released=head.copies),
     ]
     loss = Stage("loss", saved={"log-softmax (fp32)": FP32 * t * vocab, "loss scalars": 8})
     loss.forward_only = {"labels, padded and shifted": INT64 * (z.b * (z.s + 1) + t)}
@@ -224,41 +227,54 @@ def _chunked_head_and_loss(x: _Decoder) -> Stage:
 
     Each chunk of c tokens makes its logits and log-softmax (fp32; under autocast the 16-bit
     logits are freed once upcast) inside a checkpoint, and frees them; forward keeps only the
-    final RMSNorm output. Backward recomputes one chunk at a time; at its weight-gradient
-    matmul the chunk's new lm_head gradient (fp32, V x h) and the sum of the earlier chunks'
-    are alive, with the chunk's logit gradients (two c x V in fp32; one under autocast, where
-    the 16-bit matmul's operands are smaller).
+    final RMSNorm output. Backward recomputes one chunk at a time (the last first). Its largest
+    moments, as the tracker sees them: the log-softmax backward (its recomputed output and
+    two c x V gradients in fp32), then the matmul (the chunk's new lm_head gradient, as the
+    matmul makes it, and the logits' gradient). Autograd holds the chunks' weight gradients and
+    sums them once every chunk is done (under autocast over fp32 weights, in 16 bits, cast to
+    fp32 after); the recomputation casts the weight to 16 bits again, chunk by chunk.
     """
-    m, z, vocab, h = x.m, x.z, x.vocab, x.h
+    m, z, vocab, h, ew = x.m, x.z, x.vocab, x.h, x.z.ew
     c = min(z.chunk, z.t)
-    cast = m.stage_numel("head", cast_only=True) + (vocab * h if m.tied else 0)
+    cast = m.stage_numel("head", cast_only=True) + (vocab * h if m.tied and z.cast else 0)
     head = Stage("head", copies=2 * cast if z.amp else 0)
-    head.grads = FP32 * m.stage_numel("head")
+    head.grads = m.stage_bytes("head")
     if m.tied:
-        head.pending_grads = FP32 * vocab * h
+        head.pending_grads = ew * vocab * h
     _rmsnorm(head, "final RMSNorm", z, h)
-    head.saved["final RMSNorm output (the chunks' inputs)"] = FP32 * x.th
+    head.saved["final RMSNorm output (the chunks' inputs)"] = ew * x.th
     head.forward_only["labels, padded and shifted"] = INT64 * (z.b * (z.s + 1) + z.t)
     head.transient["one chunk's logits and log-softmax (fp32)"] = 2 * FP32 * c * vocab
-    earlier = FP32 * vocab * h if z.t > c else 0  # the running sum exists from chunk 2 on
-    logit_grads = (1 if z.amp else 2) * FP32 * c * vocab
+    logits = FP32 * c * vocab  # one chunk's logits (and each of their gradients) in fp32
+    wg = z.ea * vocab * h  # a chunk's lm_head gradient as its matmul makes it
+    earlier = wg if z.t > c else 0  # the chunks already done: held by autograd
+    done = {"copies_released": head.copies}  # forward's cast went with autocast's cache
+    recast = head.copies  # the recomputation's own 16-bit cast of the weight
     head.backward = [
-        Moment(earlier + FP32 * vocab * h + logit_grads),
-        Moment(4 * x.g, grads_done=FP32 * vocab * h, copies_released=head.copies),
+        Moment(earlier + recast + 3 * logits, **done),
+        Moment(earlier + recast + wg + (logits // 2 if z.amp else logits), **done),
     ]
+    if earlier:  # every chunk's gradient, and their sum
+        head.backward.append(Moment(3 * wg, **done))
+    if z.cast:  # the sum cast to fp32 for the fp32 weight
+        head.backward.append(Moment(wg + FP32 * vocab * h, **done))
+    head.backward.append(Moment(4 * x.g, grads_done=ew * vocab * h, **done))
     return head
 
 
 def _rmsnorm(stage: Stage, label: str, z: _Shape, h: int) -> None:
-    """An RMSNorm's saved tensors: its input, 1/rms per token, the normalised values."""
-    stage.saved[f"{label} input (residual stream)"] = FP32 * z.t * h
+    """An RMSNorm's saved tensors: its input in fp32 (the residual stream itself when the
+    weights are fp32, an upcast copy of it when they are 16-bit), 1/rms per token, and the
+    normalised values cast back to the model's dtype (the weight multiplies them)."""
+    upcast = "input (residual stream)" if z.ew == FP32 else "input upcast to fp32"
+    stage.saved[f"{label} {upcast}"] = FP32 * z.t * h
     stage.saved[f"{label} 1/rms"] = FP32 * z.t
-    stage.saved[f"{label} normalised"] = FP32 * z.t * h
+    stage.saved[f"{label} normalised"] = z.ew * z.t * h
 
 
 def _rmsnorm_bytes(z: _Shape, h: int) -> int:
     """Bytes of what ``_rmsnorm`` saves."""
-    return 2 * FP32 * z.t * h + FP32 * z.t
+    return (FP32 + z.ew) * z.t * h + FP32 * z.t
 
 
 def _normed_stage(m: ModelInfo, z: _Shape, name: str, norm: str, to: str, n: int):
@@ -266,27 +282,27 @@ def _normed_stage(m: ModelInfo, z: _Shape, name: str, norm: str, to: str, n: int
     th = z.t * m.config["hidden_size"]
     st = _weighted_stage(m, z, name)
     _rmsnorm(st, f"{norm} RMSNorm", z, m.config["hidden_size"])
-    if z.amp:  # each projection casts the normalised input to 16 bits itself
+    if z.cast:  # each projection casts the normalised input to 16 bits itself
         st.saved[f"{to} input casts ({n} x 16-bit)"] = n * 2 * th
     else:
-        st.saved[f"{norm} RMSNorm output ({to} input)"] = FP32 * th
+        st.saved[f"{norm} RMSNorm output ({to} input)"] = z.ew * th
     return st
 
 
 def _mlp_stage(m: ModelInfo, z: _Shape, i: int) -> Stage:
     """Post-attention RMSNorm + SwiGLU MLP (gate, up, down) + residual sum."""
     h, inter = m.config["hidden_size"], m.config["intermediate_size"]
-    t, ea = z.t, z.ea
+    t, ea, ew = z.t, z.ea, z.ew
     th, ti = t * h, t * inter
-    g = FP32 * th
+    g = ew * th
     name = f"L{i}.mlp"
     st = _normed_stage(m, z, name, "post-attention", "gate/up", 2)
     st.saved["gate, SiLU(gate), up, product"] = 4 * ea * ti
-    st.transient = {"down_proj output": ea * th, "residual sum (layer output)": FP32 * th}
+    st.transient = {"down_proj output": ea * th, "residual sum (layer output)": ew * th}
     w = _weight_grad(h * inter, z)
-    down = 2 * m.numel_named(name, "down_proj") if z.amp else 0
-    down_grads = FP32 * m.numel_named(name, "down_proj")
-    first = Moment(g + (2 * th if z.amp else 0) + ea * ti + w)
+    down = 2 * m.numel_named(name, "down_proj") if z.cast else 0
+    down_grads = m.stage_bytes(name, "down_proj")
+    first = Moment(g + (2 * th if z.cast else 0) + ea * ti + w)
     st.backward = [
         first,
         *_cast_moment(g + ea * ti, h * inter, z, first, down),
@@ -300,7 +316,7 @@ def _mlp_stage(m: ModelInfo, z: _Shape, i: int) -> Stage:
             copies_released=down,
         ),
         Moment(
-            4 * g, released=4 * ea * ti, grads_done=st.grads - FP32 * h, copies_released=st.copies
+            4 * g, released=4 * ea * ti, grads_done=st.grads - ew * h, copies_released=st.copies
         ),
     ]
     return st

@@ -93,15 +93,26 @@ class ModelInfo:
             if p.stage == stage and p.trainable and any(x in p.name for x in parts)
         )
 
+    def stage_bytes(self, stage: str, *parts: str) -> int:
+        """Bytes of the trainable tensors in ``stage`` (of those named with one of ``parts``,
+        if given): of their gradients too, which have their dtype."""
+        return sum(
+            p.nbytes
+            for p in self.params
+            if p.stage == stage and p.trainable and (not parts or any(x in p.name for x in parts))
+        )
+
     def stage_numel(self, stage: str, cast_only: bool = False) -> int:
         """Trainable numbers in ``stage``; with ``cast_only``, the autocast-cast ones, frozen too.
 
-        Autocast makes a 16-bit copy of every weight that enters a matmul, trainable or not.
+        Autocast makes a 16-bit copy of every fp32 weight that enters a matmul, trainable or
+        not (a 16-bit weight is used as it is).
         """
         return sum(
             p.numel
             for p in self.params
-            if p.stage == stage and (p.cast if cast_only else p.trainable)
+            if p.stage == stage
+            and (p.cast and p.dtype == torch.float32 if cast_only else p.trainable)
         )
 
 

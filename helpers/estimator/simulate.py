@@ -147,7 +147,7 @@ def _backward(stages: list[Stage], walk: _Walk, base: int, grads: int, act: int,
             pending = _step_in_backward(st, walk, base + act, copies, pending, steps.get(st.name))
             continue
         grads += 0 if accumulate else st.grads
-        if st.pending_grads and not accumulate:  # with accumulation p.grad already exists
+        if st.pending_grads:  # held by autograd until the embedding's gradient is added to it
             pending = st.pending_grads
         elif st.name == "embed" and pending:
             grads += 0 if accumulate else pending

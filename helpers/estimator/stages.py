@@ -52,6 +52,13 @@ class _Shape:
     amp: bool
     dev: str  # device type
     chunk: int = 0  # causal LM: tokens of logits per chunk of the loss (0: all at once)
+    ew: int = FP32  # bytes of the weights and the residual stream: 2 for bf16 weights
+
+    @property
+    def cast(self) -> bool:
+        """Autocast over fp32 weights: matmuls make 16-bit copies of weights and inputs (with
+        16-bit weights the casts are the tensors themselves)."""
+        return self.amp and self.ew == FP32
 
     @property
     def t(self) -> int:
@@ -67,12 +74,13 @@ def _weight_grad(numel: int, z: _Shape) -> int:
 def _cast_moment(
     grad_stream: int, numel: int, z: _Shape, before: Moment, copy: int
 ) -> list[Moment]:
-    """Under autocast, the moment a 16-bit weight gradient is cast to fp32 for the fp32 weight.
+    """Under autocast, the moment a 16-bit weight gradient is cast to fp32 for the fp32 weight
+    (none for 16-bit weights, whose gradient is the matmul's).
 
     The matmul's backward node has finished, so the weight's 16-bit copy (``copy`` bytes) is
     already freed; its input gradient (part of ``grad_stream``) is alive.
     """
-    if not z.amp:
+    if not z.cast:
         return []
     return [
         Moment(
@@ -101,8 +109,9 @@ class _Sizes:
 
     @property
     def g(self) -> int:
-        """The residual stream's gradient, fp32, alive through each layer's backward."""
-        return FP32 * self.th
+        """The residual stream's gradient (the weights' dtype), alive through each layer's
+        backward."""
+        return self.z.ew * self.th
 
     @property
     def scores(self) -> int:
@@ -111,6 +120,7 @@ class _Sizes:
 
 
 def _weighted_stage(m: ModelInfo, z: _Shape, name: str) -> Stage:
-    """A stage whose weights leave fp32 gradients and, under autocast, 16-bit working copies."""
+    """A stage whose weights leave gradients (their own dtype) and, under autocast over fp32
+    weights, 16-bit working copies."""
     copies = 2 * m.stage_numel(name, cast_only=True) if z.amp else 0
-    return Stage(name, grads=FP32 * m.stage_numel(name), copies=copies)
+    return Stage(name, grads=m.stage_bytes(name), copies=copies)
