@@ -2,10 +2,11 @@
 
 Two paths (``estimate(..., path=)``; ``Estimate.path`` says which answered): the analytical
 stage model below, for BERT, Llama, Mistral, Qwen2 and Mixtral, which says *why* each byte is
-there; and for every other architecture and every LoRA run, ``helpers.estimator.traced``: the
-course's tracker over one real training step on fake tensors. ``qlora=True`` adds 4-bit
-weights to a LoRA step (``helpers.estimator.qlora``). The estimator predicts only; the planner that
-runs candidates (``helpers.planner``) sits above it.
+there; and for every other architecture, every LoRA run and what the stage model does not know
+(BERT's and Mixtral's bf16 weights, selective checkpointing, offloaded activations),
+``helpers.estimator.traced``: the course's tracker over one real training step on fake tensors.
+``qlora=True`` adds 4-bit weights to a LoRA step (``helpers.estimator.qlora``). The estimator
+predicts only; the planner that runs candidates (``helpers.planner``) sits above it.
 
 ``estimate(...)`` returns the categories ``helpers.train.measure`` reports (the
 ``helpers.memory.CategoryTracker`` contract): each category's own largest size during one
@@ -14,14 +15,15 @@ PyTorch's ``meta`` device only (shapes, no storage), so a 7B config costs nothin
 arithmetic, derived from what PyTorch and these transformers implementations keep.
 
 Model state (exact)
-    params = 4 B x n_params (fp32 weights, the master copy under autocast too); gradients =
-    4 B per trainable parameter; optimizer state per tensor of n numbers: AdamW 8n + 4
-    (exp_avg, exp_avg_sq, a 0-dim fp32 step), SGD-momentum 4n, torch's Adafactor 4(r + c) + 4
-    per r x c matrix (factored second moment, times any leading dims) and 4n + 4 per vector,
-    bitsandbytes' 8-bit AdamW 2n + 8 ceil(n/256) (two uint8 states, one fp32 absmax per block
-    of 256) plus two shared 256-entry fp32 quantisation maps, except tensors under
-    min_8bit_size = 4096 numbers and nn.Embedding weights (make_optimizer's override), which
-    keep two fp32 states (8n). ``training_state`` does the same from parameter counts alone.
+    params = 4 B x n_params (fp32 weights, the master copy under autocast too; 2 B with bf16
+    weights, ``weight_dtype``); gradients = the same per trainable parameter; optimizer state
+    per tensor of n numbers: AdamW 8n + 4 (exp_avg, exp_avg_sq, a 0-dim fp32 step), SGD-momentum
+    4n, torch's Adafactor 4(r + c) + 4 per r x c matrix (factored second moment, times any
+    leading dims) and 4n + 4 per vector, bitsandbytes' 8-bit AdamW 2n + 8 ceil(n/256) (two uint8
+    states, one fp32 absmax per block of 256) plus two shared 256-entry fp32 quantisation maps,
+    except tensors under min_8bit_size = 4096 numbers and nn.Embedding weights (make_optimizer's
+    override), which keep two fp32 states (8n). ``training_state`` does the same from parameter
+    counts alone.
 
 Activations: from the paper to these implementations
     Korthikanti et al. (2022) count s·b·h·(34 + 5·a·s/h) bytes per transformer layer in 16
@@ -53,6 +55,12 @@ Activations: from the paper to these implementations
     k routed copies of each token through the experts' grouped matmuls, which stay fp32 even
     under autocast. The head keeps the logits (held by the model output) and the loss's fp32
     log-softmax, 4 B x T x vocab, often the largest single tensor of the step.
+
+    bf16 weights with no fp32 copy (``weight_dtype="bf16"``; Llama, Mistral, Qwen2 on this
+    path, the other families traced): the residual stream, its gradient, RoPE, the KV cache and
+    every weight gradient are bf16, and autocast has no weight or input to cast. Each RMSNorm
+    keeps an fp32 upcast of its input, 1/rms and its bf16 output, the one tensor the next
+    projections read (not one cast each); the attention softmax still keeps fp32.
 
 Temporaries and the peak
     The step is simulated in stages (embeddings, each layer's attention and MLP, head, loss):
