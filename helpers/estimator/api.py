@@ -75,11 +75,9 @@ def estimate(
     exact). ``Estimate.path`` says which one answered. ``qlora``: the LoRA step with the
     layers' frozen Linear weights in 4 bits (``helpers.estimator.qlora``; 16-bit precision).
     ``moments``: a list that receives the stage model's walk through the step, moment by moment
-    (``simulate.PredictedMoment``; lesson 15 draws them). Only the analytical path walks the
-    step in stages, so ``moments`` asks for it and other architectures raise ValueError.
+    (``simulate.PredictedMoment``; lesson 15 draws them): only the analytical path walks it.
     ``weight_dtype``, ``state_dtype``, ``bf16_update``, ``checkpoint_policy`` and
-    ``offload_activations`` are ``RunConfig``'s: 16-bit weights on both paths for the Llama-style
-    decoders (traced for the other families), the policy and offload on the traced path.
+    ``offload_activations`` are ``RunConfig``'s (the module doc says which path knows which).
     """
     _check_setting(precision, optimizer, attn, batch_size, seq_len, grad_accum,
                    gradient_checkpointing, checkpoint_policy)  # fmt: skip
