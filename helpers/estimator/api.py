@@ -24,7 +24,7 @@ from helpers.estimator.simulate import Estimate, _simulate
 from helpers.estimator.stages import Moment, Stage, _Shape
 from helpers.estimator.state import optimizer_state_bytes, optimizer_step_temporaries
 from helpers.estimator.traced import step_name, trace_step
-from helpers.models import load_config
+from helpers.models import WEIGHT_TORCH_DTYPES, load_config
 from helpers.names import (
     ATTENTION,
     AUTOCAST,
@@ -90,7 +90,7 @@ def estimate(
                     kept != ("full", False)) == "analytical":  # fmt: skip
         z = _Shape(b=batch_size, s=seq_len, ea=PRECISION_BYTES[precision],
                    amp=precision in AUTOCAST, dev=dev.type, chunk=loss_chunk,
-                   ew=WEIGHT_BYTES[info.weight_dtype])  # fmt: skip
+                   ew=WEIGHT_TORCH_DTYPES[info.weight_dtype].itemsize)  # fmt: skip
         return _analytical(info, z, optimizer, gradient_checkpointing, attn, grad_accum, moments,
                            optimizer_in_backward, bf16_update)  # fmt: skip
     step = _traced(info, batch_size, seq_len, precision, optimizer, gradient_checkpointing,
@@ -391,10 +391,10 @@ def _round_to_allocations(stages: list[Stage], m: ModelInfo) -> None:
         if st.copies:
             tied = 0  # the tied input embedding, cast for the LM head
             if st.name == "head" and m.tied:
-                tied = next(p.numel for p in m.params if p.embedding and p.stage == "embed")
-            fp32 = [p for p in mine if p.cast and p.dtype == torch.float32]  # autocast's copies
-            tied *= m.weight_dtype == "fp32"
-            st.copies = sum(alloc(2 * p.numel) for p in fp32) + (tied and alloc(2 * tied))
+                emb = next(p for p in m.params if p.embedding and p.stage == "embed")
+                tied = emb.numel if emb.dtype == torch.float32 else 0
+            copied = sum(alloc(2 * p.numel) for p in mine if p.copied)
+            st.copies = copied + (tied and alloc(2 * tied))
         if st.pending_grads:
             st.pending_grads = alloc(st.pending_grads)
     _largest_grads(stages, m, "cuda")
@@ -426,10 +426,6 @@ def _add_adapters(stages: list[Stage], m: ModelInfo, z: _Shape) -> None:
             # casts back): one fp32 T x in copy alive at a time, and its gradient in backward.
             st.transient["peft's fp32 copy of an adapter input"] = FP32 * z.t * widest[st.name]
             st.backward.append(Moment(temp=(FP32 + 2 * 2) * z.t * widest[st.name]))
-
-
-# RunConfig.weight_dtype -> bytes per weight (and residual-stream value: the model's dtype).
-WEIGHT_BYTES = {"fp32": FP32, "bf16": 2, "fp16": 2}
 
 
 # RunConfig's fields that change what a run measures but not its bytes: estimate_run reads

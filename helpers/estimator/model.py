@@ -53,6 +53,12 @@ class ParamInfo:
         return math.prod(self.shape)
 
     @property
+    def copied(self) -> bool:
+        """Whether autocast makes a 16-bit copy of it: an fp32 weight entering a matmul (a
+        16-bit weight is used as it is)."""
+        return self.cast and self.dtype == torch.float32
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the tensor (and of its gradient, which has its dtype)."""
         return self.numel * self.dtype.itemsize
@@ -85,22 +91,19 @@ class ModelInfo:
         """Parameters that get gradients and optimizer state."""
         return sum(p.numel for p in self.params if p.trainable)
 
+    def _trained(self, stage: str, parts: tuple[str, ...]):
+        """The trainable tensors in ``stage`` (those named with one of ``parts``, if given)."""
+        return (p for p in self.params if p.stage == stage and p.trainable
+                and (not parts or any(x in p.name for x in parts)))  # fmt: skip
+
     def numel_named(self, stage: str, *parts: str) -> int:
         """Trainable numbers in ``stage`` whose names contain one of ``parts``."""
-        return sum(
-            p.numel
-            for p in self.params
-            if p.stage == stage and p.trainable and any(x in p.name for x in parts)
-        )
+        return sum(p.numel for p in self._trained(stage, parts))
 
     def stage_bytes(self, stage: str, *parts: str) -> int:
         """Bytes of the trainable tensors in ``stage`` (of those named with one of ``parts``,
         if given): of their gradients too, which have their dtype."""
-        return sum(
-            p.nbytes
-            for p in self.params
-            if p.stage == stage and p.trainable and (not parts or any(x in p.name for x in parts))
-        )
+        return sum(p.nbytes for p in self._trained(stage, parts))
 
     def stage_numel(self, stage: str, cast_only: bool = False) -> int:
         """Trainable numbers in ``stage``; with ``cast_only``, the autocast-cast ones, frozen too.
@@ -111,8 +114,7 @@ class ModelInfo:
         return sum(
             p.numel
             for p in self.params
-            if p.stage == stage
-            and (p.cast and p.dtype == torch.float32 if cast_only else p.trainable)
+            if p.stage == stage and (p.copied if cast_only else p.trainable)
         )
 
 
