@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import warnings
 from pathlib import Path
 
@@ -174,6 +175,28 @@ def test_loop_rounds_alternate_fresh_runs_and_pool_their_steps():
     assert len(one.waits) == 4 and one.config.num_workers == 1
     assert one.step_time == pytest.approx(sum(r.step_time for r in out.runs["1 worker"]) / 2)
     assert pooled(out.runs["0 workers"]).gpu_util is None
+    waited = out.waited()  # the waits per step, on the rounds the step times were kept from
+    assert waited.kept == out.quiet.kept and waited.times["waited in 1 worker"] == [
+        statistics.fmean(r.waits) for r in out.runs["1 worker"]
+    ]
+
+
+def test_waits_are_split_like_a_measurement_taken_again():
+    from helpers.lessons.data_loading import LoaderResult, LoaderRoundsResult
+    from helpers.timing import Comparison
+
+    def run(wait):
+        return LoaderResult(LoaderConfig(), waits=[wait, wait])
+
+    first = Comparison({"a": [1.0, 1.0], "b": [2.0, 2.0]}, kept=[True, False])
+    again = Comparison({"a": [1.0] * 5, "b": [2.0] * 5}, kept=[True] * 5, first=first)
+    runs = {"a": [run(0.1 * i) for i in range(7)], "b": [run(1.0)] * 7}
+    waited = LoaderRoundsResult(again, again, runs).waited()
+    assert waited.times["waited in a"] == pytest.approx([0.2, 0.3, 0.4, 0.5, 0.6])
+    assert waited.first.times["waited in a"] == pytest.approx([0.0, 0.1])
+    assert waited.first.kept == [True, False] and waited.kept == [True] * 5
+    claim = Claim("waited in a", "faster", "waited in b", 0.7)
+    assert waited.decision(claim) == "holds"  # 0.2-0.6 s against 1 s, five rounds kept
 
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="OtherLoad reads Linux's /proc")
@@ -189,6 +212,7 @@ def test_loop_rounds_leave_out_rounds_run_while_other_processes_were_busy():
     assert out.quiet.verdict(claim) == "undecided" and "2 left out" in out.quiet.describe(claim)
     # The runs themselves stay, for the tables: every round of every configuration.
     assert out.steps.rounds == 2 and [len(v) for v in out.runs.values()] == [2, 2]
+    assert out.waited().verdict(Claim("waited in a", "faster", "waited in b")) == "undecided"
 
 
 def test_loop_record_keeps_the_configuration_in_config_and_measurements_in_extra():

@@ -533,6 +533,27 @@ class LoaderRoundsResult:
         """Each configuration's runs as one ``LoaderResult`` (``pooled``), keyed by its name."""
         return {name: pooled(runs) for name, runs in self.runs.items() if runs}
 
+    def waited(self) -> Comparison:
+        """Seconds each step waited for its batch, per round, as a Comparison of contenders
+        named "waited in <configuration>": the rounds ``quiet`` kept and set aside (and its
+        first measurement, if it measured again), so a claim about waiting is decided on the
+        same undisturbed rounds as the speed claims, and is undecided where they are."""
+        q = self.quiet
+        n_first = len(q.first.kept) if q.first is not None else 0
+        out = _waits_like(q, {n: rs[n_first:] for n, rs in self.runs.items()})
+        if q.first is not None:
+            out.first = _waits_like(q.first, {n: rs[:n_first] for n, rs in self.runs.items()})
+        return out
+
+
+def _waits_like(like: Comparison, runs: dict[str, list[LoaderResult]]) -> Comparison:
+    """The mean wait per step of ``runs``, round by round, with ``like``'s record of rounds."""
+    waits = {f"waited in {n}": [statistics.fmean(r.waits) for r in rs] for n, rs in runs.items()}
+    kept = None if like.kept is None else list(like.kept)
+    return Comparison(
+        waits, like.confidence, left_out=dict(like.left_out), others=list(like.others), kept=kept
+    )
+
 
 def loop_rounds(
     configs: dict[str, LoaderConfig], claims=(), max_others: float | None = 0.2, **rounds
