@@ -244,6 +244,29 @@ def test_the_collective_counter_counts_payload_bytes():
 # The per-rank estimator's arithmetic
 
 
+def test_fsdp_of_bf16_weights_per_rank_is_the_tracker():
+    """Pure bf16 (weights, gradients, AdamW's state; autocast as the Trainer's bf16=True) under
+    FSDP2 on 2 processes: the shards, the gathered units and their all-gather buffers in
+    2 bytes per number, exactly; activations and peak from the stage model, within its bound."""
+    bf16 = replace(CFG, strategy="fsdp", launcher="accelerate", weight_dtype="bf16",
+                   mixed_precision="bf16")  # fmt: skip
+    result = lesson.launch(bf16)
+    kw = dict(device="cpu", weight_dtype="bf16", precision="bf16")
+    est = estimate_per_rank(CFG.model, 2, "fsdp", B, S, **kw)
+    fp32 = estimate_per_rank(CFG.model, 2, "fsdp", B, S, device="cpu")
+    assert 2 * est.params == fp32.params and 2 * est.gathered_params == fp32.gathered_params
+    for r in result.ranks:
+        m = r.memory
+        for key in ("params", "gradients", "optimizer_state", "gathered_params"):
+            assert getattr(est, key) == m[key], (key, getattr(est, key), m[key])
+        assert est.communication_buffers <= m["communication_buffers"]
+        assert m["communication_buffers"] <= est.communication_buffers + est.gathered_params
+        assert est.activations == pytest.approx(m["activations"], rel=0.10)
+        assert est.peak == pytest.approx(m["peak"], rel=0.10), (est.peak, est.peak_at, m)
+    with pytest.raises(ValueError, match="no bf16_update yet"):
+        estimate_per_rank(CFG.model, 2, "fsdp", B, S, **kw, bf16_update="kahan")
+
+
 def test_fsdp_pads_each_tensor_to_equal_shares():
     info = describe_model("llama-tiny")
     embed = next(p for p in info.params if p.embedding)  # 1024 rows
@@ -275,7 +298,7 @@ def test_ddp_per_rank_takes_the_settings_of_one_process():
     assert 0 < trained < info.n_params  # the adapters only
     assert ddp.communication_buffers == trained and ddp.peak == one.peak + trained
     assert (ddp.params, ddp.gradients) == (one.params, one.gradients)
-    with pytest.raises(ValueError, match="no weight_dtype, lora_r, checkpoint_policy yet"):
+    with pytest.raises(ValueError, match="no lora_r, checkpoint_policy yet"):
         estimate_per_rank("llama-tiny", 2, "fsdp", 2, 32, **kw)
 
 

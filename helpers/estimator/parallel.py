@@ -6,7 +6,7 @@ for one of ``world_size`` processes, each training on its own ``batch_size`` sam
 DDP (``torch.nn.parallel.DistributedDataParallel``) replicates the model state: parameters,
     gradients and optimizer state are one process's whole account, activations those of the
     per-process batch. DDP adds its gradient buckets: flat buffers, as large as all the
-    trainable parameters' gradients together (4 B each), allocated when the model is wrapped;
+X when the model is wrapped;
     the gradients are copied in, all-reduced, and copied back (with
     ``gradient_as_bucket_view=True`` the gradients are views of the buckets instead, and the
     4 B per parameter is saved; lesson 07's loop keeps DDP's default). They are alive through
@@ -28,9 +28,11 @@ FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every parameter on its fir
     whole and the buffer is kept through the unit, so the peak errs high (checked against
     FSDPMemTracker in tests/test_beyond_one_gpu.py and lesson 17).
 
-The gathered copies are the parameters' dtype (fp32): ``fully_shard`` without a
-``MixedPrecisionPolicy``, as lesson 17 runs it. With Accelerate's mixed precision on GPUs,
-FSDP2 gathers 16-bit copies (``param_dtype``) instead: not modelled here.
+The shards, gradients, optimizer state and gathered copies are the parameters' dtype: fp32,
+or bf16 with ``weight_dtype="bf16"`` (the model built in bf16, as ``fully_shard`` without a
+``MixedPrecisionPolicy`` keeps it; tests/test_beyond_one_gpu.py measures both). Over fp32
+weights with a ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` (Accelerate's mixed
+precision on GPUs), FSDP2 gathers 16-bit copies of fp32 shards instead: not modelled here.
 
 ``traffic(model, world_size, batch_size, seq_len)`` counts, from the model, the bytes each
 scheme moves between devices in one optimizer step: ``torch.nn.DataParallel`` (one process,
@@ -43,7 +45,6 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import math
 import re
 from dataclasses import dataclass, replace
 
@@ -71,7 +72,7 @@ class RankEstimate(Estimate):
 
 
 # Settings the FSDP walk does not model yet, at the value it does (DDP takes them all).
-FSDP_PLAIN = {"weight_dtype": "fp32", "lora_r": 0, "qlora": False, "checkpoint_policy": "full",
+FSDP_PLAIN = {"lora_r": 0, "qlora": False, "bf16_update": "nearest", "checkpoint_policy": "full",
               "offload_activations": False}  # fmt: skip
 
 
@@ -216,8 +217,8 @@ def _units_of(config_json: str) -> tuple[dict[str, str], dict[str, bool]]:
 
 def _gathered_bytes(params: list[ParamInfo], world_size: int, device_type: str) -> int:
     """Bytes of a unit gathered whole: N padded shares of each tensor."""
-    return sum(allocation_bytes(FP32 * math.prod(sharded(p, world_size).shape) * world_size,
-                                device_type) for p in params)  # fmt: skip
+    return sum(allocation_bytes(sharded(p, world_size).nbytes * world_size, device_type)
+               for p in params)  # fmt: skip
 
 
 def _fsdp(one, info, world_size, optimizer, moments, device_type) -> RankEstimate:
@@ -226,7 +227,7 @@ def _fsdp(one, info, world_size, optimizer, moments, device_type) -> RankEstimat
     trainable = [p for p in shards if p.trainable]
 
     def nbytes(params):
-        return sum(allocation_bytes(FP32 * math.prod(p.shape), device_type) for p in params)
+        return sum(allocation_bytes(p.nbytes, device_type) for p in params)
 
     params, grads = nbytes(shards), nbytes(trainable)
     opt = optimizer_state_bytes(optimizer, trainable, device_type)

@@ -36,7 +36,13 @@ from torch.utils.data import DataLoader
 from helpers.compat import missing_optional, trainer_checkpointing
 from helpers.data import MarkovTask, markov_dataset
 from helpers.memory import CategoryTracker
-from helpers.models import build_model, enable_checkpointing, load_config, task_kind
+from helpers.models import (
+    WEIGHT_TORCH_DTYPES,
+    build_model,
+    enable_checkpointing,
+    load_config,
+    task_kind,
+)
 from helpers.quiet import quiet_libraries
 from helpers.train import make_optimizer, quiet_trainer, trainer_arguments
 
@@ -54,6 +60,7 @@ class LoopConfig:
     gradient_accumulation_steps: int = 4
     seq_len: int = 64
     mixed_precision: str = "bf16"  # "no" | "fp16" | "bf16" (Accelerator's names)
+    weight_dtype: str = "fp32"  # the weights' storage (and gradients'): "fp32" or "bf16"
     gradient_checkpointing: bool = True
     optimizer: str = "adamw8bit"  # helpers.train.make_optimizer names
     max_steps: int = 3  # optimizer steps
@@ -187,7 +194,7 @@ def loop_parts(cfg: LoopConfig, num_processes: int = 1):
 
     set_seed(cfg.seed)
     config = load_config(cfg.model)
-    model = build_model(config, seed=cfg.seed)
+    model = build_model(config, seed=cfg.seed, dtype=WEIGHT_TORCH_DTYPES[cfg.weight_dtype])
     if cfg.gradient_checkpointing:
         enable_checkpointing(model)
     with quiet_libraries():  # an 8-bit optimizer imports bitsandbytes (helpers.quiet)

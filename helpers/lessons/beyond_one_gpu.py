@@ -97,6 +97,7 @@ class ParallelConfig:
     per_device_train_batch_size: int = 2
     seq_len: int = 64
     mixed_precision: str = "no"  # Accelerator's names; "no" keeps every category 4 B/number
+    weight_dtype: str = "fp32"  # "bf16": weights, gradients and AdamW's state in 2 B/number
     optimizer: str = "adamw"
     max_steps: int = 4  # optimizer steps
     # DDP rebuilds its buckets in step 1 (in the order backward produced the gradients), so
@@ -116,7 +117,8 @@ class ParallelConfig:
         return LoopConfig(
             model=self.model, per_device_train_batch_size=self.per_device_train_batch_size,
             gradient_accumulation_steps=1, seq_len=self.seq_len,
-            mixed_precision=self.mixed_precision, gradient_checkpointing=False,
+            mixed_precision=self.mixed_precision, weight_dtype=self.weight_dtype,
+            gradient_checkpointing=False,
             optimizer=self.optimizer, max_steps=self.max_steps, track_step=self.track_step,
             learning_rate=self.learning_rate, seed=self.seed, cpu=cpu,
         )  # fmt: skip
