@@ -6,10 +6,10 @@ for one of ``world_size`` processes, each training on its own ``batch_size`` sam
 DDP (``torch.nn.parallel.DistributedDataParallel``) replicates the model state: parameters,
     gradients and optimizer state are one process's whole account, activations those of the
     per-process batch. DDP adds its gradient buckets: flat buffers, as large as all the
-X when the model is wrapped;
-    the gradients are copied in, all-reduced, and copied back (with
+    trainable parameters' gradients together (their dtype: 4 B each, 2 in bf16), allocated
+    when the model is wrapped; the gradients are copied in, all-reduced, and copied back (with
     ``gradient_as_bucket_view=True`` the gradients are views of the buckets instead, and the
-    4 B per parameter is saved; lesson 07's loop keeps DDP's default). They are alive through
+    bytes per parameter are saved; lesson 07's loop keeps DDP's default). They are alive through
     the whole step, so the peak is the one-process peak plus the buckets.
 FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every parameter on its first dimension:
     each process keeps ceil(d0/N) rows of each tensor (the last process's share is padded to
