@@ -3,9 +3,10 @@
 Tiny scratch notebooks, one JupyterLab for all of them: a progress bar stopped early (red), an
 error, a bar whose widget is gone when the notebook is reopened, figure text too small, a
 silent cell, a bar short of its end, stderr and a text meter left at 40 %, and a clean notebook
-that passes. It needs Chromium and a Python with Playwright
-(PLAYWRIGHT_PYTHON, or .venv-playwright in the checkout); without them it is skipped, saying
-which is missing (CI has neither). About a minute and a half on two cores.
+that passes. It needs Chromium, a Python with Playwright
+(PLAYWRIGHT_PYTHON, or .venv-playwright in the checkout) and JupyterLab in the Python running
+the tests (the lab starts from it); without them it is skipped, saying which is missing (CI
+has no Chromium). About a minute and a half on two cores.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def summary(tmp_path_factory) -> dict:
         pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set CHROMIUM)")
     if python is None:
         pytest.skip("no Python with Playwright (PLAYWRIGHT_PYTHON or .venv-playwright)")
+    if importlib.util.find_spec("jupyterlab") is None:  # the lab runs from this interpreter
+        pytest.skip(f"no JupyterLab in {sys.executable} (make install, or pip install jupyterlab)")
     folder = tmp_path_factory.mktemp("browser_check")
     paths = []
     for name, content in NOTEBOOKS.items():
