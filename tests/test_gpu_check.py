@@ -5,6 +5,7 @@ gets. The quick run here is the version ``make test`` runs so the command cannot
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,10 +50,22 @@ def test_the_quick_run_writes_every_part_of_the_report(quick_run):
     assert data["finished"] and data["device"] == "cpu"
     assert "torch" in data["environment"] and data["packages"]
     assert "budget cap" in data["preflight"] and "no check fails" in data["preflight"]
-    assert [r["label"] for r in data["estimator"]] == ["vanilla", "16-bit"]
-    for row in data["estimator"]:  # on the CPU the estimator is exact for the encoder
+    rows = {r["label"]: r for r in data["estimator"]}
+    # Part b's two phases: the decoder's settings side by side, then the capstone's alone.
+    together = [r for r in data["estimator"] if r["phase"] == "at once"]
+    alone = [r for r in data["estimator"] if r["phase"] == "alone"]
+    assert [r["label"] for r in alone] == ["vanilla", "16-bit"] and len(together) == 2
+    assert all(a["started_s"] >= max(t["ended_s"] for t in together) for a in alone)
+    if G.concurrency("cpu", os.cpu_count() or 1) > 1:  # the timestamps overlap
+        first, second = sorted((r["started_s"], r["ended_s"]) for r in together)
+        assert second[0] < first[1] and data["estimator_most_at_once"] == 2
+    for label in ("vanilla", "16-bit"):  # on the CPU the estimator is exact for the encoder
+        row = rows[label]
         assert row["predicted"]["peak"] == pytest.approx(row["tracked"]["peak"], rel=0.02)
-        assert row["max_allocated"] is None  # no caching allocator on a CPU
+    for row in together:  # and within its bound for the decoder, LoRA included
+        assert row["predicted"]["peak"] == pytest.approx(row["tracked"]["peak"], rel=0.10)
+    assert all(row["max_allocated"] is None for row in rows.values())  # no caching allocator
+    assert f"How they ran: {G.concurrency('cpu', os.cpu_count() or 1)} settings at once" in text
     assert [r["recipe"] for r in data["capstone"] if r["status"] == "ok"] == ["vanilla", "16-bit"]
     # The base recipe ran as a plain script on this device and printed its throughput.
     assert [(r["recipe"], r["outcome"]) for r in data["recipes"]] == [("base", "passed")]

@@ -7,7 +7,9 @@ half-way still leaves what it found. The parts, in order of value:
 a. the environment (card, driver, CUDA, versions against the tested range) and the preflight;
 b. the estimator against the real allocator: settings run each in a fresh process, predicted
    bytes per category next to the tracker's, and the peak next to the allocator's
-   ``max_memory_allocated`` and ``max_memory_reserved`` and NVML, the gaps named;
+   ``max_memory_allocated`` and ``max_memory_reserved`` and NVML, the gaps named. Those that
+   only compare bytes run several at once (``concurrency``, ``helpers.course.schedule``), each
+   capped to its predicted peak with a margin; the capstone's recipes then run alone;
 d. the capstone's nine recipes, which are among b's runs: samples/s, device memory and MFU next
    to the guide's V100 table (rendered from b's records, so it costs no extra time);
 e. the recipes (``recipes/*.py``, the plain scripts learners copy) on this device, each in
@@ -41,6 +43,7 @@ import torch
 
 from helpers import compat
 from helpers.course.preflight import format_result, run_preflight
+from helpers.course.schedule import Ran, run_at_once
 from helpers.device import cudnn_version, gpu_info, is_cuda, nvml_summary, resolve, tf32_capable
 from helpers.estimator import estimate_run
 from helpers.hardware import cpu_name, precision_problem
@@ -96,6 +99,9 @@ class GpuCheckResult:
     lessons: list[dict] = field(default_factory=list)
     order: str = ""  # the full-scale order and why
     not_reached: list[str] = field(default_factory=list)
+    card_bytes: int = 0  # the card's memory (0: not a GPU, or not known)
+    estimator_phases: str = ""  # how part b ran: settings at once, then alone
+    estimator_most_at_once: int = 0  # the most settings that ran together
     seconds: float = 0.0
     finished: bool = False
 
@@ -143,6 +149,9 @@ class _Run:
 # a. The environment
 
 
+TOTAL_KEY = "total memory bytes"  # environment()'s number for part b (not shown in the report)
+
+
 def environment(device: str | None) -> dict:
     """The card, driver, CUDA and library versions (run in a fresh process: asking the card
     creates a CUDA context, which would stay in every later NVML reading of this process)."""
@@ -160,6 +169,7 @@ def environment(device: str | None) -> dict:
         env.update({
             "card": info.name,
             "memory": f"{info.total_memory / GiB:.1f} GiB ({info.total_memory:,} B)",
+            TOTAL_KEY: info.total_memory,
             "compute capability": f"{info.capability[0]}.{info.capability[1]}",
             "multiprocessors": info.multiprocessors,
             "cudnn": cudnn_version(),
@@ -176,6 +186,7 @@ def _part_a(run: _Run):
     cfg, result, clock = run.cfg, run.result, run.clock
     out = call_isolated(environment, cfg.device, timeout=120)
     result.environment = out.value if out.error is None else {"error": out.error}
+    result.card_bytes = int(result.environment.pop(TOTAL_KEY, 0))
     result.card = result.environment.get("card", result.card)
     result.packages = [s.line() for s in compat.package_report()]
     run.write()
@@ -212,16 +223,16 @@ def estimator_settings(device: str | None, quick: bool = False) -> dict[str, Run
     if compat.missing_optional("bitsandbytes"):  # 8-bit AdamW where bitsandbytes is there
         recipes = [r for r in recipes if r.optimizer != "adamw8bit"]
     out = {r.label: recipe_config(r, base, half) for r in recipes}
-    if quick:
-        return out
     decoder = replace(base, model=scale.decoder, attn="sdpa", flops=False, repeats=2)
     traced = "qwen3-0.6b" if scale.name == "full" else "qwen3-tiny"
     out[f"{scale.decoder} sdpa {bf16}"] = replace(decoder, precision=bf16)
+    out[f"{scale.decoder} LoRA r16 {bf16}"] = replace(decoder, precision=bf16, lora_r=16,
+                                                      lora_targets="all-linear")  # fmt: skip
+    if quick:  # two recipes alone, two decoder settings at once: both phases of part b
+        return {label: replace(c, label=label) for label, c in out.items()}
     small = max(1, base.batch_size // 4)
     out[f"{traced} sdpa {bf16} (traced)"] = replace(decoder, model=traced, precision=bf16,
                                                     batch_size=small)  # fmt: skip
-    out[f"{scale.decoder} LoRA r16 {bf16}"] = replace(decoder, precision=bf16, lora_r=16,
-                                                      lora_targets="all-linear")  # fmt: skip
     out.update(_bf16_weight_settings(decoder, scale.decoder, d))
     # What the step keeps for backward (lesson 16): on a GPU, offload's estimate is checked here.
     kept = replace(decoder, precision=bf16)
@@ -291,28 +302,89 @@ def worst_category(row: dict) -> tuple[str, float] | None:
     return key, ratios[key]
 
 
+# Part b runs in two phases. A setting's bytes are its own process's (the tracker, the
+# allocator's statistics), whatever else runs on the card, so the settings whose rows compare
+# memory only run several at once, each process capped to its predicted peak with a margin;
+# the capstone's recipes, whose speed part d reports, run after them one at a time on a quiet
+# card, with any setting that ran out of its cap or whose peak could not be predicted.
+CAP_MARGIN = 1.5  # a concurrent setting's cap: its predicted peak times this, plus CAP_EXTRA
+CAP_EXTRA = 2 * GiB  # the CUDA context, cuBLAS's workspace, the allocator's rounding
+CARD_SHARE = 0.9  # of the card's memory, what the concurrent settings' caps may add up to
+
+
+def concurrency(device_type: str, cores: int) -> int:
+    """Settings measured at once: on a GPU two host cores each (a process builds its model
+    and feeds the card), at most 8; on a CPU (the rehearsal) one per core, at most 2."""
+    if device_type == "cuda":
+        return max(1, min(8, cores // 2))
+    return max(1, min(2, cores))
+
+
 def _part_b(run: _Run) -> dict:
-    """Every setting in a fresh process; returns the records by label (part d reads them)."""
+    """Every setting in a fresh process, memory-only ones several at once (``concurrency``),
+    then the capstone's alone; returns the records by label (part d reads them)."""
     cfg, result, clock = run.cfg, run.result, run.clock
     settings = estimator_settings(cfg.device, cfg.quick)
     missing = compat.missing_optional("bitsandbytes")
     if missing and not cfg.quick:
         result.not_reached.append(f"estimator: the two 8-bit AdamW recipes ({missing})")
-    records = {}
-    for n, (label, run_cfg) in enumerate(settings.items(), 1):
-        if clock.left() < 30:
-            result.not_reached.append(f"estimator: {label} and the settings after it")
-            break
-        started = time.perf_counter()
+    cuda = result.device.startswith("cuda")
+    capstone = {r.label for r in SEED_RECIPES}
+    alone = [label for label in settings if label in capstone]
+    slots = concurrency("cuda" if cuda else "cpu", os.cpu_count() or 1)
+    capacity = int(CARD_SHARE * result.card_bytes) if cuda and result.card_bytes else None
+    result.estimator_phases = _phases(slots, capacity, len(alone))
+    records: dict = {}
+    caps: dict[str, int] = {}
+
+    def need(label: str) -> int | None:  # the cap: the predicted peak with a margin
+        try:
+            caps[label] = int(CAP_MARGIN * estimate_run(settings[label]).peak + CAP_EXTRA)
+        except Exception:  # measured alone instead
+            return None
+        return caps[label]
+
+    def work(label: str, capped: bool):
+        run_cfg = settings[label]
+        if capped and label in caps:
+            run_cfg = replace(run_cfg, budget=caps[label])
         out = call_isolated(measure, run_cfg, timeout=max(30.0, min(300.0, clock.left() - 10)))
-        record = out.value if out.error is None else _failed_record(run_cfg, out.error)
-        records[label] = record
-        row = estimator_row(label, run_cfg, record)
+        return out.value if out.error is None else _failed_record(run_cfg, out.error)
+
+    def done(ran: Ran, phase: str) -> None:
+        record = ran.value if not ran.error else _failed_record(settings[ran.name], ran.error)
+        if phase == "at once" and record.oom and ran.need is not None:
+            alone.append(ran.name)  # ran out of its cap among others: measured alone
+            run.say(f"[b] {ran.name}: out of its {human_bytes(ran.need)} cap; again alone")
+            return
+        records[ran.name] = record
+        row = estimator_row(ran.name, settings[ran.name], record)
+        row.update(phase=phase, started_s=round(ran.started, 1), ended_s=round(ran.ended, 1))
+        if phase == "at once" and cuda:  # NVML sees the whole card: every process at once
+            row.update(nvml_used=None, nvml_minus_reserved=None)
         result.estimator.append(row)
         run.write()
-        took = time.perf_counter() - started
-        run.say(f"[b] {n}/{len(settings)} {_estimator_line(row)} ({took:.0f} s)")
+        run.say(f"[b] {len(result.estimator)}/{len(settings)} {phase} {_estimator_line(row)} "
+                f"({ran.started:.0f}-{ran.ended:.0f} s)")  # fmt: skip
+
+    first = run_at_once([label for label in settings if label not in capstone],
+                        lambda label: work(label, True), slots, capacity, need, clock.left, 30.0,
+                        lambda ran: done(ran, "at once"), origin=clock.start)  # fmt: skip
+    result.estimator_most_at_once = first.most_at_once
+    alone += list(first.not_started)  # no predicted peak, or over the card's share
+    run_at_once(alone, lambda label: work(label, False), 1, left=clock.left, min_left=30.0,
+                on_done=lambda ran: done(ran, "alone"), origin=clock.start)  # fmt: skip
+    not_run = [label for label in settings if label not in records]
+    if not_run:
+        result.not_reached.append(f"estimator: {', '.join(not_run)} (not measured in time)")
     return records
+
+
+def _phases(slots: int, capacity: int | None, alone: int) -> str:
+    """How part b runs, for the report."""
+    shared = f", caps within {human_bytes(capacity)} of the card" if capacity else ""
+    quiet = f"then {alone} capstone recipes alone (speed: a quiet card)"
+    return f"{slots} settings at once{shared}; {quiet}"
 
 
 def _failed_record(run_cfg: RunConfig, error: str):
@@ -781,18 +853,28 @@ def _estimator_markdown(result: GpuCheckResult) -> list[str]:
         "and fragmentation; NVML - reserved is the CUDA context (and anything else on the card).",
         "",
     ]
-    header = ["setting", "path", "predicted", "tracked", "pred/tracked", "worst category",
+    if result.estimator_phases:
+        lines += [
+            f"How they ran: {result.estimator_phases}; at most {result.estimator_most_at_once} "
+            "ran together (*ran*: the phase and the seconds since the start). A setting run "
+            "*at once* with others was capped to its predicted peak x "
+            f"{CAP_MARGIN:g} + {CAP_EXTRA / GiB:g} GiB on a GPU, and has no NVML reading: "
+            "NVML sees the whole card, every process on it.",
+            "",
+        ]
+    header = ["setting", "ran", "path", "predicted", "tracked", "pred/tracked", "worst category",
               "allocated", "alloc-tracked", "reserved", "reserved-alloc", "NVML",
               "NVML-reserved"]  # fmt: skip
     rows = []
     for r in result.estimator:
         if "error" in r:
-            rows.append([r["label"], "", "", "", "", f"**{r['error'][:160]}**", *[""] * 6])
+            rows.append([r["label"], _ran(r), "", "", "", "", f"**{r['error'][:160]}**",
+                         *[""] * 6])  # fmt: skip
             continue
         pred, tracked = r["predicted"]["peak"], r["tracked"]["peak"]
         worst = worst_category(r)
         rows.append([
-            r["label"], r["path"], _mib(pred), _mib(tracked), f"{pred / tracked:.3f}",
+            r["label"], _ran(r), r["path"], _mib(pred), _mib(tracked), f"{pred / tracked:.3f}",
             f"{worst[0]} {worst[1]:.3f}" if worst else "", _mib(r["max_allocated"]),
             _mib(r["allocated_minus_tracked"]), _mib(r["max_reserved"]),
             _mib(r["reserved_minus_allocated"]), _mib(r["nvml_used"]),
@@ -801,8 +883,11 @@ def _estimator_markdown(result: GpuCheckResult) -> list[str]:
     return lines + _table(header, rows) + [""]
 
 
-def _num(row: dict, key: str, fmt: str = "{:.2f}") -> str:
-    return "" if row.get(key) is None else fmt.format(row[key])
+def _ran(row: dict) -> str:
+    """A part b row's phase and seconds, "at once 3-15 s" (older reports have neither)."""
+    if "phase" not in row:
+        return ""
+    return f"{row['phase']} {row['started_s']:.0f}-{row['ended_s']:.0f} s"
 
 
 def _num(row: dict, key: str, fmt: str = "{:.2f}") -> str:
