@@ -265,3 +265,50 @@ def test_a_gpu_report_is_summarised_with_its_lessons_and_estimator(tmp_path):
         in text
     )
     assert "| 00 / 14 | 08 (full) | 0.990 to 0.990 (1 settings) | 0.900 to 0.900" in text
+
+
+def test_on_a_gpu_part_b_caps_each_setting_and_runs_one_past_its_cap_again_alone(monkeypatch):
+    """Part b's GPU branch with fakes: caps from the predicted peaks, the card's share, an
+    out-of-memory under a cap measured again uncapped, NVML left out of the at-once rows."""
+    from types import SimpleNamespace
+
+    from helpers.results import Record
+    from helpers.train import RunConfig
+
+    names = ("big", "small", "tight", "huge", "vanilla")  # vanilla: a capstone recipe
+    settings = {name: RunConfig(label=name) for name in names}
+    peaks = dict(zip(names, (50 * G.GiB, 10 * G.GiB, 5 * G.GiB, 70 * G.GiB, G.GiB), strict=True))
+    calls = []
+
+    def isolated(fn, cfg, timeout):
+        calls.append((cfg.label, cfg.budget))
+        if cfg.label == "tight" and cfg.budget:  # past its cap among others
+            return SimpleNamespace(error="OutOfMemoryError: over the budget", value=None)
+        return SimpleNamespace(error=None, value=Record(cfg.as_dict(), nvml_used=7))
+
+    monkeypatch.setattr(G, "estimator_settings", lambda device, quick: settings)
+    monkeypatch.setattr(G, "estimate_run", lambda cfg: SimpleNamespace(peak=peaks[cfg.label]))
+    monkeypatch.setattr(G, "call_isolated", isolated)
+    peak = {"peak": 1, "max_allocated": None}
+    monkeypatch.setattr(G, "estimator_row", lambda label, cfg, record: {
+        "label": label, "predicted": peak, "tracked": peak, "max_allocated": None,
+        "nvml_used": record.nvml_used, "nvml_minus_reserved": 1})  # fmt: skip
+    monkeypatch.setattr(G.os, "cpu_count", lambda: 16)
+    result = G.GpuCheckResult("now", "cuda:0", "a card", 9.0, card_bytes=100 * G.GiB)
+    run = G._Run(G.GpuCheckConfig(device="cuda:0"), result, G.Clock(9.0), lambda: None,
+                 lambda line: None)  # fmt: skip
+    records = G._part_b(run)
+    cap = {n: int(G.CAP_MARGIN * p + G.CAP_EXTRA) for n, p in peaks.items()}
+    assert sorted(c for c in calls if c[1]) == sorted(
+        (n, cap[n]) for n in ("big", "small", "tight")
+    )
+    # Alone, uncapped: the capstone's recipe, the one past its cap, the one over the card's
+    # share (107 GiB of 90).
+    assert [c for c in calls if not c[1]] == [("vanilla", None), ("tight", None), ("huge", None)]
+    rows = {r["label"]: r for r in result.estimator}
+    assert {n: r["phase"] for n, r in rows.items()} == {
+        "big": "at once", "small": "at once", "tight": "alone", "huge": "alone",
+        "vanilla": "alone"}  # fmt: skip
+    assert rows["big"]["nvml_used"] is None and rows["vanilla"]["nvml_used"] == 7
+    assert set(records) == set(settings) and result.estimator_most_at_once == 2
+    assert "8 settings at once, caps within 90 GiB of the card" in result.estimator_phases
