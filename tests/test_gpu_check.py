@@ -48,6 +48,8 @@ def test_the_quick_run_writes_every_part_of_the_report(quick_run):
         assert heading in text, heading
     data = json.loads(md.with_suffix(".json").read_text())
     assert data["finished"] and data["device"] == "cpu"
+    assert list(data["part_seconds"]) == ["a", "b", "e", "c"]  # minutes per part, in the text
+    assert f" (a {data['part_seconds']['a'] / 60:.1f}, b " in text
     assert "torch" in data["environment"] and data["packages"]
     assert "budget cap" in data["preflight"] and "no check fails" in data["preflight"]
     rows = {r["label"]: r for r in data["estimator"]}

@@ -26,6 +26,7 @@ notebooks. ``--quick`` is the version ``make test`` runs, so the command cannot 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -68,7 +69,7 @@ CATEGORIES = ("params", "gradients", "optimizer_state", "activations", "temporar
 FULL_ORDER = ("14", "00", "01", "05", "02", "03", "04", "06", "15", "16", "13", "10", "07",
               "09", "12", "11", "08", "17")  # fmt: skip
 REHEARSAL_LESSONS = ("00", "09")  # on a CPU: a short subset (about half a minute)
-PARALLEL = {"tiny": 3, "full": 2}  # notebooks at once on one GPU (a CPU runs one at a time)
+PARALLEL = {"tiny": 3, "full": 2}  # notebooks at once on one GPU (a CPU: ``concurrency``)
 
 
 @dataclass
@@ -102,6 +103,7 @@ class GpuCheckResult:
     card_bytes: int = 0  # the card's memory (0: not a GPU, or not known)
     estimator_phases: str = ""  # how part b ran: settings at once, then alone
     estimator_most_at_once: int = 0  # the most settings that ran together
+    part_seconds: dict = field(default_factory=dict)  # "a", "b", "e", "c": seconds each took
     seconds: float = 0.0
     finished: bool = False
 
@@ -708,7 +710,8 @@ def _part_c(run: _Run, work: Path, minutes: dict[str, float]) -> None:
 
     default = None if on_gpu else REHEARSAL_LESSONS
     paths = notebook_paths(cfg.lessons if cfg.lessons is not None else default)
-    run_notebooks(paths, "tiny", work, clock, PARALLEL["tiny"] if on_gpu else 1, done, cfg.device)
+    at_once = PARALLEL["tiny"] if on_gpu else concurrency("cpu", os.cpu_count() or 1)
+    run_notebooks(paths, "tiny", work, clock, at_once, done, cfg.device)
     if not on_gpu or "scale=full" not in result.environment.get("scale", ""):
         why = "the scale here is tiny ($COURSE_SCALE, or a card too small for the full scale)"
         result.order = (
@@ -767,15 +770,29 @@ def run_gpu_check(
         _atomic(paths[0], render_markdown(result, cfg))
 
     run = _Run(cfg, result, clock, write, say)
-    preflight = _part_a(run)
-    records = _part_b(run)
+    with _timed_part(result, "a", clock):
+        preflight = _part_a(run)
+    with _timed_part(result, "b", clock):
+        records = _part_b(run)
     _part_d(records, result)
     write()
-    _part_e(run)
-    _part_c(run, ROOT / "build" / "gpu-check" / "executed", preflight.lesson_minutes)
+    with _timed_part(result, "e", clock):
+        _part_e(run)
+    with _timed_part(result, "c", clock):
+        _part_c(run, ROOT / "build" / "gpu-check" / "executed", preflight.lesson_minutes)
     result.finished = True
     write()
     return result, paths[0]
+
+
+@contextlib.contextmanager
+def _timed_part(result: GpuCheckResult, part: str, clock: Clock):
+    """Note the seconds a part took in ``result.part_seconds`` (the next run's plan reads it)."""
+    start = clock.spent()
+    try:
+        yield
+    finally:
+        result.part_seconds[part] = round(clock.spent() - start, 1)
 
 
 def _atomic(path: Path, text: str) -> None:
@@ -809,7 +826,9 @@ def render_markdown(result: GpuCheckResult, cfg: GpuCheckConfig) -> str:
         "",
         f"`python -m helpers gpu-check --deadline {cfg.deadline_min:g}"
         f"{' --quick' if cfg.quick else ''}` on `{result.device}`: {status}, "
-        f"{result.seconds / 60:.1f} of {result.deadline_min:g} min.",
+        f"{result.seconds / 60:.1f} of {result.deadline_min:g} min"
+        + _parts_line(result.part_seconds)
+        + ".",
         "",
         "## a. Environment",
         "",
@@ -837,6 +856,13 @@ def render_markdown(result: GpuCheckResult, cfg: GpuCheckConfig) -> str:
     if result.not_reached:
         lines += ["## Not reached", "", *(f"- {item}" for item in result.not_reached), ""]
     return "\n".join(lines)
+
+
+def _parts_line(part_seconds: dict) -> str:
+    """ " (a 1.1, b 3.0, e 0.5, c 4.2 min)": the minutes each part took, "" before any ended."""
+    if not part_seconds:
+        return ""
+    return " (" + ", ".join(f"{p} {s / 60:.1f}" for p, s in part_seconds.items()) + " min)"
 
 
 def _estimator_markdown(result: GpuCheckResult) -> list[str]:
