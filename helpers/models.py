@@ -122,10 +122,11 @@ def build_model(
         if task_kind(config) == "classify"
         else AutoModelForCausalLM
     )
-    model = auto.from_config(config, attn_implementation=attn, dtype=dtype)
     if torch.device(device) == torch.device("cpu"):
-        return model  # already there (and fake tensors, helpers.estimator.traced, cannot move)
-    return model.to(device)
+        # fake tensors (helpers.estimator.traced) are made in the current mode, on the CPU
+        return auto.from_config(config, attn_implementation=attn, dtype=dtype)
+    with torch.device(device):  # initialised where it trains: no CPU copy to build and move
+        return auto.from_config(config, attn_implementation=attn, dtype=dtype)
 
 
 def count_params(model: torch.nn.Module, trainable_only: bool = False) -> int:
