@@ -74,9 +74,10 @@ def test_bf16_weights_estimated_to_the_byte(model, setting):
     if not cfg.lora_r:  # autocast has nothing to cast; peft's fp32 adapters it does cast
         assert traced.weight_copies == 0
     # "auto": the stage model for the Llama-style decoders (full fine-tuning), which lumps the
-    # loss's two fp32 scalars (8 B); the trace for the other families and for LoRA.
+    # loss's two fp32 scalars (8 B); the trace for the other families, for LoRA, and for
+    # torchao's stochastic rounding on a CPU (its eager step's scratch: from its trace only).
     est = estimate_run(cfg)
-    staged = model == "llama-tiny" and not cfg.lora_r
+    staged = model == "llama-tiny" and not cfg.lora_r and cfg.bf16_update != "stochastic"
     assert est.path == ("analytical" if staged else "traced")
     for key in CATEGORIES:
         assert abs(getattr(est, key) - getattr(real, key)) <= (8 if staged else 0), key

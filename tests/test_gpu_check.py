@@ -201,6 +201,20 @@ def test_the_environment_names_the_card(monkeypatch):
     assert "580.95.05" in env["nvml"] and "scale=full" in env["scale"]
 
 
+def test_an_estimate_that_fails_is_reported_in_its_row_not_raised(monkeypatch):
+    from helpers.results import Record
+    from helpers.train import RunConfig
+
+    def refuse(cfg):
+        raise ValueError("install torchao to estimate this")
+
+    monkeypatch.setattr(G, "estimate_run", refuse)
+    row = G.estimator_row("x", RunConfig(), Record({}))
+    assert row["error"] == (
+        "measured, but the estimate failed: ValueError: install torchao to estimate this"
+    )
+
+
 def test_worst_category_is_the_ratio_farthest_from_one():
     row = {"predicted": {"params": 100, "activations": 90, "peak": 190},
            "tracked": {"params": 100, "activations": 100, "peak": 200}}  # fmt: skip

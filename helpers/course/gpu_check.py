@@ -270,7 +270,11 @@ def estimator_row(label: str, cfg: RunConfig, record) -> dict:
     if not record.ok:
         row["error"] = record.error
         return row
-    est = estimate_run(cfg)
+    try:
+        est = estimate_run(cfg)
+    except Exception as err:  # one setting's estimate never stops the run: reported in its row
+        row["error"] = f"measured, but the estimate failed: {type(err).__name__}: {err}"
+        return row
     mem, alloc = record.memory, record.allocator or {}
     allocated, reserved = alloc.get("allocated"), alloc.get("reserved")
     row.update(

@@ -86,8 +86,14 @@ def estimate(
                       state_dtype, bf16_update, seq_len)  # fmt: skip
     dev = resolve(device)
     savers = _check_savers(info, optimizer_in_backward, loss_chunk, precision, grad_accum)
-    if _choose_path(info, path, precision, qlora, moments is not None or savers,
-                    kept != ("full", False)) == "analytical":  # fmt: skip
+    staged = moments is not None or savers
+    # torchao's stochastic-rounding step on a CPU: its scratch is known from its trace only
+    # (the stage model says so where it is asked for explicitly)
+    traced_step = (
+        bf16_update == "stochastic" and dev.type == "cpu" and path == "auto" and not staged
+    )
+    if _choose_path(info, path, precision, qlora, staged,
+                    kept != ("full", False) or traced_step) == "analytical":  # fmt: skip
         z = _Shape(b=batch_size, s=seq_len, ea=PRECISION_BYTES[precision],
                    amp=precision in AUTOCAST, dev=dev.type, chunk=loss_chunk,
                    ew=WEIGHT_TORCH_DTYPES[info.weight_dtype].itemsize)  # fmt: skip
