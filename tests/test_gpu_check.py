@@ -49,6 +49,9 @@ def test_the_quick_run_writes_every_part_of_the_report(quick_run):
     data = json.loads(md.with_suffix(".json").read_text())
     assert data["finished"] and data["device"] == "cpu"
     assert list(data["part_seconds"]) == ["a", "b", "e", "c"]  # minutes per part, in the text
+    # The plan, made after part a: parts b, e and the tiny lessons, then whether they fit.
+    assert [line.split(":")[0] for line in data["plan"][:3]] == ["b", "e", "c tiny"]
+    assert data["plan"][-1].startswith(("all fit", "will not fit")) and "### Plan" in text
     assert f" (a {data['part_seconds']['a'] / 60:.1f}, b " in text
     assert "torch" in data["environment"] and data["packages"]
     assert "budget cap" in data["preflight"] and "no check fails" in data["preflight"]

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from helpers import compat
+from helpers.course.gpu_plan import PlanInputs, earlier_report, plan_parts
 from helpers.course.preflight import format_result, run_preflight
 from helpers.course.schedule import Ran, run_at_once
 from helpers.device import cudnn_version, gpu_info, is_cuda, nvml_summary, resolve, tf32_capable
@@ -104,6 +105,7 @@ class GpuCheckResult:
     estimator_phases: str = ""  # how part b ran: settings at once, then alone
     estimator_most_at_once: int = 0  # the most settings that ran together
     part_seconds: dict = field(default_factory=dict)  # "a", "b", "e", "c": seconds each took
+    plan: list[str] = field(default_factory=list)  # parts b, e, c predicted after part a
     seconds: float = 0.0
     finished: bool = False
 
@@ -776,6 +778,10 @@ def run_gpu_check(
     run = _Run(cfg, result, clock, write, say)
     with _timed_part(result, "a", clock):
         preflight = _part_a(run)
+    plan = plan_parts(_plan_inputs(run, preflight.lesson_minutes), clock.left())
+    result.plan = plan.summary()
+    write()
+    say("[plan] " + "; ".join(result.plan))
     with _timed_part(result, "b", clock):
         records = _part_b(run)
     _part_d(records, result)
@@ -787,6 +793,27 @@ def run_gpu_check(
     result.finished = True
     write()
     return result, paths[0]
+
+
+def _plan_inputs(run: _Run, lesson_minutes: dict[str, float]) -> PlanInputs:
+    """What parts b, e and c will run here, for ``helpers.course.gpu_plan``."""
+    cfg, result = run.cfg, run.result
+    on_gpu = result.device.startswith("cuda")
+    settings = list(estimator_settings(cfg.device, cfg.quick))
+    capstone = {r.label for r in SEED_RECIPES}
+    default = None if on_gpu else REHEARSAL_LESSONS
+    tiny = [lesson_number(p) for p in notebook_paths(cfg.lessons if cfg.lessons else default)]
+    full = on_gpu and "scale=full" in result.environment.get("scale", "")
+    cores = os.cpu_count() or 1
+    return PlanInputs(
+        settings=settings, alone=[s for s in settings if s in capstone],
+        slots=concurrency("cuda" if on_gpu else "cpu", cores),
+        recipes=[label for label, _ in recipe_runs(cfg.device or "cpu", cfg.quick)],
+        tiny=tiny, tiny_at_once=PARALLEL["tiny"] if on_gpu else concurrency("cpu", cores),
+        full_minutes={n: lesson_minutes.get(n, 1.0) for n in tiny} if full else {},
+        full_at_once=PARALLEL["full"],
+        earlier=earlier_report(REPORTS, result.card) if on_gpu else {},
+    )  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -853,6 +880,10 @@ def render_markdown(result: GpuCheckResult, cfg: GpuCheckConfig) -> str:
         "```text",
         result.preflight or "(not run yet)",
         "```",
+        "",
+        "### Plan (made after part a; what each part then took is on the first line)",
+        "",
+        *(f"- {line}" for line in result.plan or ["(not made yet)"]),
         "",
     ]
     lines += _estimator_markdown(result) + _capstone_markdown(result)

@@ -85,15 +85,9 @@ def estimate(
     info = _described(model, attn, lora_r, lora_targets, precision, optimizer, weight_dtype,
                       state_dtype, bf16_update, seq_len)  # fmt: skip
     dev = resolve(device)
-    savers = _check_savers(info, optimizer_in_backward, loss_chunk, precision, grad_accum)
-    staged = moments is not None or savers
-    # torchao's stochastic-rounding step on a CPU: its scratch is known from its trace only
-    # (the stage model says so where it is asked for explicitly)
-    traced_step = (
-        bf16_update == "stochastic" and dev.type == "cpu" and path == "auto" and not staged
-    )
-    if _choose_path(info, path, precision, qlora, staged,
-                    kept != ("full", False) or traced_step) == "analytical":  # fmt: skip
+    staged = _staged(info, optimizer_in_backward, loss_chunk, precision, grad_accum, moments)
+    trace_only = kept != ("full", False) or _step_traced(bf16_update, dev.type, path, staged)
+    if _choose_path(info, path, precision, qlora, staged, trace_only) == "analytical":
         z = _Shape(b=batch_size, s=seq_len, ea=PRECISION_BYTES[precision],
                    amp=precision in AUTOCAST, dev=dev.type, chunk=loss_chunk,
                    ew=WEIGHT_TORCH_DTYPES[info.weight_dtype].itemsize)  # fmt: skip
@@ -105,6 +99,13 @@ def estimate(
     if qlora:
         return qlora_estimate(step, info)
     return step
+
+
+def _step_traced(bf16_update: str, device_type: str, path: str, staged: bool) -> bool:
+    """Whether ``auto`` needs the trace for the optimizer's step: torchao's stochastic rounding
+    on a CPU, whose eager step's scratch only its trace knows (asked for explicitly, the stage
+    model says so in one line)."""
+    return bf16_update == "stochastic" and device_type == "cpu" and path == "auto" and not staged
 
 
 def _described(model, attn, lora_r, lora_targets, precision, optimizer, weight_dtype,
@@ -183,10 +184,10 @@ def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool, staged
     return "analytical"
 
 
-def _check_savers(
-    info, in_backward: bool, loss_chunk: int, precision: str, grad_accum: int
-) -> bool:
-    """Whether lesson 16's savers are on; ValueError, saying why, for a setting they refuse."""
+def _staged(info, in_backward: bool, loss_chunk: int, precision: str, grad_accum: int,
+            moments: list | None) -> bool:  # fmt: skip
+    """Whether the estimate needs the stage model: lesson 16's savers on, or ``moments`` asked
+    for; ValueError, saying why, for a setting the savers refuse."""
     if loss_chunk < 0:
         raise ValueError("loss_chunk must be a number of tokens (0: the whole loss at once)")
     if loss_chunk and info.family == "encoder":
@@ -202,7 +203,7 @@ def _check_savers(
             "cannot accumulate micro-batches or unscale fp16 gradients (use grad_accum=1 and "
             "fp32/bf16)"
         )
-    return bool(in_backward or loss_chunk)
+    return bool(in_backward or loss_chunk) or moments is not None
 
 
 def _analytical(info, z: _Shape, optimizer, gc, attn, grad_accum, moments=None,
