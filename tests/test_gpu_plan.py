@@ -24,7 +24,7 @@ def test_without_an_earlier_report_the_defaults_are_used_and_slots_share_the_wor
     assert seconds == pytest.approx({"b": SETTING_S + SETTING_S, "e": 2 * RECIPE_S,
                                      "c tiny": TINY_LESSON_S})  # fmt: skip
     assert plan.will_not_fit() == [] and plan.summary()[-1].startswith("all fit")
-    assert "defaults: no earlier report here" in plan.summary()[0]
+    assert "defaults: no earlier report" in plan.summary()[0]
 
 
 def test_an_earlier_report_of_the_card_sets_each_known_label_and_the_median_for_the_rest():
@@ -32,6 +32,7 @@ def test_an_earlier_report_of_the_card_sets_each_known_label_and_the_median_for_
         "estimator": [{"label": "x", "seconds": 10.0}, {"label": "vanilla", "seconds": 40.0}],
         "recipes": [{"recipe": "base", "seconds": 5.0}],
         "lessons": [{"lesson": "00", "scale": "tiny", "seconds": 20.0},
+                    {"lesson": "05", "scale": "tiny", "seconds": 0.0},  # not started
                     {"lesson": "00", "scale": "full", "seconds": 300.0}],
     }  # fmt: skip
     inputs = PlanInputs(settings=["x", "new", "vanilla"], alone=["vanilla"], slots=2,

@@ -92,7 +92,12 @@ def plan_parts(inputs: PlanInputs, left_s: float) -> GpuPlan:
     recipe_s = _by_label(earlier.get("recipes", []), "recipe", "seconds", RECIPE_S)
     tiny_rows = [r for r in earlier.get("lessons", []) if r.get("scale") == "tiny"]
     tiny_s = _by_label(tiny_rows, "lesson", "seconds", TINY_LESSON_S)
-    basis = "an earlier report of this card" if earlier else "defaults: no earlier report here"
+
+    def basis(rows: list[dict]) -> str:
+        if any(r.get("seconds") for r in rows):
+            return "an earlier report of this card"
+        return "defaults: none in an earlier report" if earlier else "defaults: no earlier report"
+
     together = [s for s in inputs.settings if s not in inputs.alone]
     b = sum(setting_s(s) for s in together) / max(1, inputs.slots)
     b += sum(setting_s(s) for s in inputs.alone)
@@ -100,10 +105,11 @@ def plan_parts(inputs: PlanInputs, left_s: float) -> GpuPlan:
     e = sum(recipe_s(r) for r in inputs.recipes)
     tiny = sum(tiny_s(n) for n in inputs.tiny) / max(1, inputs.tiny_at_once)
     tiny_why = f"{len(inputs.tiny)} lessons {inputs.tiny_at_once} at once"
+    e_why = f"{len(inputs.recipes)} recipes one at a time"
     parts = [
-        PartPlan("b", b, f"{b_why}; {basis}"),
-        PartPlan("e", e, f"{len(inputs.recipes)} recipes one at a time; {basis}"),
-        PartPlan("c tiny", tiny, f"{tiny_why}; {basis}"),
+        PartPlan("b", b, f"{b_why}; {basis(earlier.get('estimator', []))}"),
+        PartPlan("e", e, f"{e_why}; {basis(earlier.get('recipes', []))}"),
+        PartPlan("c tiny", tiny, f"{tiny_why}; {basis(tiny_rows)}"),
     ]
     if inputs.full_minutes:  # as part c paces them: the preflight's minutes with a margin
         full = sum(60 * (1.5 * m + 0.5) for m in inputs.full_minutes.values())
@@ -114,8 +120,9 @@ def plan_parts(inputs: PlanInputs, left_s: float) -> GpuPlan:
 
 
 def _by_label(rows: list[dict], key: str, value: str, default: float):
-    """A function: a label's seconds in ``rows``, else their median, else ``default``."""
-    seen = {r[key]: float(r[value]) for r in rows if r.get(value) is not None and key in r}
+    """A function: a label's seconds in ``rows``, else their median, else ``default`` (rows
+    with no seconds, or 0: a setting that failed, a lesson not started, do not count)."""
+    seen = {r[key]: float(r[value]) for r in rows if r.get(value) and key in r}
     fallback = statistics.median(seen.values()) if seen else default
     return lambda label: seen.get(label, fallback)
 
