@@ -119,3 +119,35 @@ def test_the_two_process_check_launches_ddp_and_says_where(monkeypatch):
     detail = preflight._two_processes("cpu")
     assert asked == [("ddp", "torchrun", 2)]
     assert detail == "2 DDP processes under torchrun, gloo on cpu, 12 s"
+
+
+def test_checks_run_side_by_side_and_the_alone_ones_after(monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    from helpers.course import preflight
+
+    ended = {}
+
+    def check(device, name="", pause=0.3):
+        time.sleep(pause)
+        ended[name] = time.monotonic()
+        return f"{name} fine"
+
+    def isolated(fn, device, timeout, daemon, **kwargs):
+        return SimpleNamespace(error=None, value=fn(device, **kwargs))
+
+    fakes = [(n, ("00",), check, {"name": n}) for n in ("a", "b", "NVML view", "c")]
+    monkeypatch.setattr(preflight, "CHECKS", fakes)
+    monkeypatch.setattr(preflight, "call_isolated", isolated)
+    monkeypatch.setattr(preflight, "why_skip", lambda name, device: None)
+    monkeypatch.setattr(preflight, "concurrency", lambda device_type, cores: 3)
+    start = time.monotonic()
+    result = preflight.run_preflight("cpu", throughput=False)
+    assert [c.name for c in result.checks] == ["a", "b", "NVML view", "c"]  # the table's order
+    assert all(c.status == "works" and c.detail == f"{c.name} fine" for c in result.checks)
+    assert time.monotonic() - start < 4 * 0.3  # a, b and c at once, then the NVML view
+    assert ended["NVML view"] > max(ended[n] for n in "abc")  # alone, after the others
+    late = preflight.run_preflight("cpu", throughput=False, stop_at=time.monotonic() - 1)
+    assert {c.status for c in late.checks} == {"skipped"}
+    assert all("deadline" in c.detail for c in late.checks)

@@ -45,7 +45,7 @@ import torch
 from helpers import compat
 from helpers.course.gpu_plan import PlanInputs, earlier_report, plan_parts
 from helpers.course.preflight import format_result, run_preflight
-from helpers.course.schedule import Ran, run_at_once
+from helpers.course.schedule import Ran, concurrency, run_at_once
 from helpers.device import cudnn_version, gpu_info, is_cuda, nvml_summary, resolve, tf32_capable
 from helpers.estimator import estimate_run
 from helpers.hardware import cpu_name, precision_problem
@@ -318,14 +318,6 @@ def worst_category(row: dict) -> tuple[str, float] | None:
 CAP_MARGIN = 1.5  # a concurrent setting's cap: its predicted peak times this, plus CAP_EXTRA
 CAP_EXTRA = 2 * GiB  # the CUDA context, cuBLAS's workspace, the allocator's rounding
 CARD_SHARE = 0.9  # of the card's memory, what the concurrent settings' caps may add up to
-
-
-def concurrency(device_type: str, cores: int) -> int:
-    """Settings measured at once: on a GPU two host cores each (a process builds its model
-    and feeds the card), at most 8; on a CPU (the rehearsal) one per core, at most 2."""
-    if device_type == "cuda":
-        return max(1, min(8, cores // 2))
-    return max(1, min(2, cores))
 
 
 def _part_b(run: _Run) -> dict:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
+import os
 import pickle
 import tempfile
 import time
@@ -26,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import device as dev
 from helpers.course.fullscale import lesson_experiments
+from helpers.course.schedule import concurrency, run_at_once
 from helpers.hardware import hardware_report
 from helpers.isolate import call_isolated
 from helpers.lessons import beyond_one_gpu
@@ -352,6 +355,11 @@ NEEDS_OWN_PROCESSES = {"DataLoader workers", "pinned memory", "DeepSpeed CPU off
                        "two processes (DDP)"}  # fmt: skip
 
 
+# Checks that read the whole device (NVML, the CUDA context) or time one thing against another
+# (tf32 against fp32) run alone, after the others have run side by side.
+ALONE = {"NVML view", "CUDA context", "tf32"}
+
+
 def run_preflight(
     device: str | torch.device | None = None,
     timeout: float = 300,
@@ -359,7 +367,8 @@ def run_preflight(
     stop_at: float | None = None,
     throughput: bool = True,
 ) -> PreflightResult:
-    """Every check in a fresh process, then the rough full-scale time per lesson.
+    """Every check in a fresh process, side by side (``helpers.course.schedule``; those in
+    ``ALONE`` after the others, one at a time), then the rough full-scale time per lesson.
 
     ``names``: only these checks (None: all). ``stop_at``: a ``time.monotonic()`` moment after
     which no check starts; those left are "skipped" with the reason (``make gpu-check``'s
@@ -368,27 +377,24 @@ def run_preflight(
     d = dev.resolve(device)
     report = hardware_report(d)
     result = PreflightResult(str(d), report.name, get_scale(device=d).describe(d))
-    for name, lessons, fn, kwargs in CHECKS:
-        if names is not None and name not in names:
-            continue
-        check = Check(name, lessons)
-        skip = why_skip(name, d)
-        if stop_at is not None and time.monotonic() > stop_at:
-            check.status, check.detail = "skipped", "not started: the run's deadline was near"
-        elif skip:
-            check.status, check.detail = "skipped", skip
-        else:
-            start = time.perf_counter()
-            out = call_isolated(fn, str(d), timeout=timeout, daemon=name not in NEEDS_OWN_PROCESSES,
-                                **kwargs)  # fmt: skip
-            check.seconds = time.perf_counter() - start
-            if out.error:
-                check.status, check.detail = "fails", out.error
-            elif out.value.startswith("skipped: "):
-                check.status, check.detail = "skipped", out.value.removeprefix("skipped: ")
-            else:
-                check.detail = out.value
-        result.checks.append(check)
+    chosen = {name: (lessons, fn, kwargs) for name, lessons, fn, kwargs in CHECKS
+              if names is None or name in names}  # fmt: skip
+    checks = {name: Check(name, lessons) for name, (lessons, _, _) in chosen.items()}
+    run = [name for name in chosen if not _skipped(checks[name], d)]
+
+    def one(name: str) -> Check:
+        _, fn, kwargs = chosen[name]
+        _run_check(checks[name], fn, kwargs, str(d), timeout)
+        return checks[name]
+
+    left = (lambda: stop_at - time.monotonic()) if stop_at is not None else (lambda: math.inf)
+    slots = concurrency(d.type if dev.is_cuda(d) else "cpu", os.cpu_count() or 1)
+    first = run_at_once([n for n in run if n not in ALONE], one, slots, left=left)
+    then = run_at_once([n for n in run if n in ALONE], one, 1, left=left)
+    for name in {**first.not_started, **then.not_started}:
+        checks[name].status = "skipped"
+        checks[name].detail = "not started: the run's deadline was near"
+    result.checks = list(checks.values())  # in CHECKS' order
     if not throughput:
         return result
     out = call_isolated(_throughput, str(d), timeout=timeout)
@@ -407,6 +413,28 @@ def run_preflight(
         seconds = x.flops / result.flops_per_s + STARTUP_S
         result.lesson_minutes[x.lesson] = result.lesson_minutes.get(x.lesson, 0.0) + seconds / 60
     return result
+
+
+def _skipped(check: Check, device: torch.device) -> bool:
+    """Mark ``check`` skipped when it does not apply on ``device`` (``why_skip``)."""
+    skip = why_skip(check.name, device)
+    if skip:
+        check.status, check.detail = "skipped", skip
+    return bool(skip)
+
+
+def _run_check(check: Check, fn, kwargs: dict, device: str, timeout: float) -> None:
+    """Run one check in a fresh process; its status, detail and seconds into ``check``."""
+    start = time.perf_counter()
+    out = call_isolated(fn, device, timeout=timeout, daemon=check.name not in NEEDS_OWN_PROCESSES,
+                        **kwargs)  # fmt: skip
+    check.seconds = time.perf_counter() - start
+    if out.error:
+        check.status, check.detail = "fails", out.error
+    elif out.value.startswith("skipped: "):
+        check.status, check.detail = "skipped", out.value.removeprefix("skipped: ")
+    else:
+        check.detail = out.value
 
 
 def format_result(result: PreflightResult) -> str:

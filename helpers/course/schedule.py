@@ -49,6 +49,14 @@ class Schedule:
         return any(b[0] < a[1] for a, b in itertools.pairwise(spans))
 
 
+def concurrency(device_type: str, cores: int) -> int:
+    """Experiments at once, each in its own process: on a GPU two host cores each (a process
+    builds its model and feeds the card), at most 8; on a CPU one per core, at most 2."""
+    if device_type == "cuda":
+        return max(1, min(8, cores // 2))
+    return max(1, min(2, cores))
+
+
 def run_at_once(
     names: Iterable[str],
     work: Callable[[str], object],
