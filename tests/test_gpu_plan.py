@@ -6,14 +6,9 @@ import json
 
 import pytest
 
-from helpers.course.gpu_plan import (
-    RECIPE_S,
-    SETTING_S,
-    TINY_LESSON_S,
-    PlanInputs,
-    earlier_report,
-    plan_parts,
-)
+from helpers.course.gpu_plan import DEFAULTS, PlanInputs, earlier_report, plan_parts
+
+SETTING_S, RECIPE_S, TINY_LESSON_S = DEFAULTS["full"].values()
 
 
 def test_without_an_earlier_report_the_defaults_are_used_and_slots_share_the_work():
@@ -29,7 +24,8 @@ def test_without_an_earlier_report_the_defaults_are_used_and_slots_share_the_wor
 
 def test_an_earlier_report_of_the_card_sets_each_known_label_and_the_median_for_the_rest():
     earlier = {
-        "estimator": [{"label": "x", "seconds": 10.0}, {"label": "vanilla", "seconds": 40.0}],
+        "estimator": [{"label": "x", "seconds": 10.0},  # an older report: seconds only
+                      {"label": "vanilla", "seconds": 30.0, "started_s": 5.0, "ended_s": 45.0}],
         "recipes": [{"recipe": "base", "seconds": 5.0}],
         "lessons": [{"lesson": "00", "scale": "tiny", "seconds": 20.0},
                     {"lesson": "05", "scale": "tiny", "seconds": 0.0},  # not started

@@ -805,6 +805,7 @@ def _plan_inputs(run: _Run, lesson_minutes: dict[str, float]) -> PlanInputs:
         full_minutes={n: lesson_minutes.get(n, 1.0) for n in tiny} if full else {},
         full_at_once=PARALLEL["full"],
         earlier=earlier_report(REPORTS, result.card) if on_gpu else {},
+        scale="full" if full else "tiny",
     )  # fmt: skip
 
 

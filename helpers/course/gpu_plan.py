@@ -20,11 +20,11 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Seconds assumed where no earlier report of this card says: a setting in its fresh process
-# (the H200's report: 14-50 s, median 19 s), a recipe, a lesson at the tiny scale.
-SETTING_S = 30.0
-RECIPE_S = 15.0
-TINY_LESSON_S = 60.0
+# Seconds assumed where no earlier report of this card says, by the scale part b runs at: a
+# setting in its fresh process (an H200 at the full scale: 14-50 s; this course's 2-core CI
+# machine at the tiny scale: 3-10 s), a recipe, a lesson at the tiny scale.
+DEFAULTS = {"full": {"setting": 30.0, "recipe": 15.0, "lesson": 60.0},
+            "tiny": {"setting": 8.0, "recipe": 12.0, "lesson": 60.0}}  # fmt: skip
 
 
 @dataclass
@@ -40,6 +40,7 @@ class PlanInputs:
     full_minutes: dict[str, float] = field(default_factory=dict)  # lesson -> preflight minutes
     full_at_once: int = 1
     earlier: dict = field(default_factory=dict)  # an earlier report of this card (its JSON)
+    scale: str = "full"  # part b's scale: which DEFAULTS apply
 
 
 @dataclass
@@ -87,11 +88,12 @@ def plan_parts(inputs: PlanInputs, left_s: float) -> GpuPlan:
     Returns:
         A ``GpuPlan``: each part's seconds and basis; ``will_not_fit`` names the late ones.
     """
-    earlier = inputs.earlier
-    setting_s = _by_label(earlier.get("estimator", []), "label", "seconds", SETTING_S)
-    recipe_s = _by_label(earlier.get("recipes", []), "recipe", "seconds", RECIPE_S)
+    earlier, default = inputs.earlier, DEFAULTS[inputs.scale]
+    setting_rows = [_span(r) for r in earlier.get("estimator", [])]
+    setting_s = _by_label(setting_rows, "label", "seconds", default["setting"])
+    recipe_s = _by_label(earlier.get("recipes", []), "recipe", "seconds", default["recipe"])
     tiny_rows = [r for r in earlier.get("lessons", []) if r.get("scale") == "tiny"]
-    tiny_s = _by_label(tiny_rows, "lesson", "seconds", TINY_LESSON_S)
+    tiny_s = _by_label(tiny_rows, "lesson", "seconds", default["lesson"])
 
     def basis(rows: list[dict]) -> str:
         if any(r.get("seconds") for r in rows):
@@ -107,7 +109,7 @@ def plan_parts(inputs: PlanInputs, left_s: float) -> GpuPlan:
     tiny_why = f"{len(inputs.tiny)} lessons {inputs.tiny_at_once} at once"
     e_why = f"{len(inputs.recipes)} recipes one at a time"
     parts = [
-        PartPlan("b", b, f"{b_why}; {basis(earlier.get('estimator', []))}"),
+        PartPlan("b", b, f"{b_why}; {basis(setting_rows)}"),
         PartPlan("e", e, f"{e_why}; {basis(earlier.get('recipes', []))}"),
         PartPlan("c tiny", tiny, f"{tiny_why}; {basis(tiny_rows)}"),
     ]
@@ -117,6 +119,14 @@ def plan_parts(inputs: PlanInputs, left_s: float) -> GpuPlan:
         parts.append(PartPlan("c full", full / max(1, inputs.full_at_once),
                               f"{full_why}; the preflight's minutes x 1.5 + 0.5"))  # fmt: skip
     return GpuPlan(parts, left_s)
+
+
+def _span(row: dict) -> dict:
+    """A part b row with its seconds from start to end (the process, the estimate) where the
+    report has them; older reports have the measurement's own seconds only."""
+    if row.get("ended_s") is not None and row.get("started_s") is not None:
+        return {**row, "seconds": row["ended_s"] - row["started_s"]}
+    return row
 
 
 def _by_label(rows: list[dict], key: str, value: str, default: float):
