@@ -35,6 +35,7 @@ class PlanInputs:
     alone: list[str] = field(default_factory=list)  # those run one at a time (the capstone's)
     slots: int = 1  # part b's settings at once
     recipes: list[str] = field(default_factory=list)  # part e's labels
+    recipes_at_once: int = 1
     tiny: list[str] = field(default_factory=list)  # part c's lessons at the tiny scale
     tiny_at_once: int = 1
     full_minutes: dict[str, float] = field(default_factory=dict)  # lesson -> preflight minutes
@@ -104,10 +105,10 @@ def plan_parts(inputs: PlanInputs, left_s: float) -> GpuPlan:
     b = sum(setting_s(s) for s in together) / max(1, inputs.slots)
     b += sum(setting_s(s) for s in inputs.alone)
     b_why = f"{len(together)} settings {inputs.slots} at once, {len(inputs.alone)} alone"
-    e = sum(recipe_s(r) for r in inputs.recipes)
+    e = sum(recipe_s(r) for r in inputs.recipes) / max(1, inputs.recipes_at_once)
     tiny = sum(tiny_s(n) for n in inputs.tiny) / max(1, inputs.tiny_at_once)
     tiny_why = f"{len(inputs.tiny)} lessons {inputs.tiny_at_once} at once"
-    e_why = f"{len(inputs.recipes)} recipes one at a time"
+    e_why = f"{len(inputs.recipes)} recipes {inputs.recipes_at_once} at once"
     parts = [
         PartPlan("b", b, f"{b_why}; {basis(setting_rows)}"),
         PartPlan("e", e, f"{e_why}; {basis(earlier.get('recipes', []))}"),
