@@ -141,7 +141,7 @@ def test_checks_run_side_by_side_and_the_alone_ones_after(monkeypatch):
     monkeypatch.setattr(preflight, "CHECKS", fakes)
     monkeypatch.setattr(preflight, "call_isolated", isolated)
     monkeypatch.setattr(preflight, "why_skip", lambda name, device: None)
-    monkeypatch.setattr(preflight, "concurrency", lambda device_type, cores: 3)
+    monkeypatch.setattr(preflight, "concurrency", lambda device_type, cores=None: 3)
     start = time.monotonic()
     result = preflight.run_preflight("cpu", throughput=False)
     assert [c.name for c in result.checks] == ["a", "b", "NVML view", "c"]  # the table's order

@@ -71,6 +71,7 @@ FULL_ORDER = ("14", "00", "01", "05", "02", "03", "04", "06", "15", "16", "13", 
               "09", "12", "11", "08", "17")  # fmt: skip
 REHEARSAL_LESSONS = ("00", "09")  # on a CPU: a short subset (about half a minute)
 PARALLEL = {"tiny": 3, "full": 2}  # notebooks at once on one GPU (a CPU: ``concurrency``)
+CAPSTONE = {r.label for r in SEED_RECIPES}  # part b measures these alone (part d: their speed)
 
 
 @dataclass
@@ -330,9 +331,8 @@ def _part_b(run: _Run) -> dict:
     if missing and not cfg.quick:
         result.not_reached.append(f"estimator: the two 8-bit AdamW recipes ({missing})")
     cuda = result.device.startswith("cuda")
-    capstone = {r.label for r in SEED_RECIPES}
-    alone = [label for label in settings if label in capstone]
-    slots = concurrency("cuda" if cuda else "cpu", os.cpu_count() or 1)
+    alone = [label for label in settings if label in CAPSTONE]
+    slots = _slots(result)
     capacity = int(CARD_SHARE * result.card_bytes) if cuda and result.card_bytes else None
     result.estimator_phases = _phases(slots, capacity, len(alone))
     records: dict = {}
@@ -368,7 +368,7 @@ def _part_b(run: _Run) -> dict:
         run.say(f"[b] {len(result.estimator)}/{len(settings)} {phase} {_estimator_line(row)} "
                 f"({ran.started:.0f}-{ran.ended:.0f} s)")  # fmt: skip
 
-    first = run_at_once([label for label in settings if label not in capstone],
+    first = run_at_once([label for label in settings if label not in CAPSTONE],
                         lambda label: work(label, True), slots, capacity, need, clock.left, 30.0,
                         lambda ran: done(ran, "at once"), origin=clock.start)  # fmt: skip
     result.estimator_most_at_once = first.most_at_once
@@ -483,8 +483,7 @@ def _part_e(run: _Run) -> None:
     work = ROOT / "build" / "gpu-check" / "recipes"
     stop = clock.left() * (2 / 3)  # leave two thirds for the notebooks
     runs = dict(recipe_runs(cfg.device or "cpu", cfg.quick))
-    slots = concurrency("cuda" if result.device.startswith("cuda") else "cpu", os.cpu_count() or 1)
-    result.recipes_at_once = slots
+    slots = result.recipes_at_once = _slots(result)
 
     def one(label: str) -> dict:
         folder = work / _slug(label)  # what a recipe writes (a snapshot, a trace) stays apart
@@ -726,9 +725,8 @@ def _part_c(run: _Run, work: Path, minutes: dict[str, float]) -> None:
         run.say(f"[c] lesson {row['lesson']} ({row['scale']}): {row['outcome']} in "
                 f"{row['seconds']:.0f} s {row['error']}".rstrip())  # fmt: skip
 
-    default = None if on_gpu else REHEARSAL_LESSONS
-    paths = notebook_paths(cfg.lessons if cfg.lessons is not None else default)
-    at_once = PARALLEL["tiny"] if on_gpu else concurrency("cpu", os.cpu_count() or 1)
+    paths = _tiny_paths(cfg, on_gpu)
+    at_once = PARALLEL["tiny"] if on_gpu else _slots(result)
     run_notebooks(paths, "tiny", work, clock, at_once, done, cfg.device)
     if not on_gpu or "scale=full" not in result.environment.get("scale", ""):
         why = "the scale here is tiny ($COURSE_SCALE, or a card too small for the full scale)"
@@ -812,22 +810,30 @@ def _plan_inputs(run: _Run, lesson_minutes: dict[str, float]) -> PlanInputs:
     cfg, result = run.cfg, run.result
     on_gpu = result.device.startswith("cuda")
     settings = list(estimator_settings(cfg.device, cfg.quick))
-    capstone = {r.label for r in SEED_RECIPES}
-    default = None if on_gpu else REHEARSAL_LESSONS
-    tiny = [lesson_number(p) for p in notebook_paths(cfg.lessons if cfg.lessons else default)]
+    tiny = [lesson_number(p) for p in _tiny_paths(cfg, on_gpu)]
     full = on_gpu and "scale=full" in result.environment.get("scale", "")
-    cores = os.cpu_count() or 1
+    slots = _slots(result)
     return PlanInputs(
-        settings=settings, alone=[s for s in settings if s in capstone],
-        slots=concurrency("cuda" if on_gpu else "cpu", cores),
+        settings=settings, alone=[s for s in settings if s in CAPSTONE], slots=slots,
         recipes=[label for label, _ in recipe_runs(cfg.device or "cpu", cfg.quick)],
-        recipes_at_once=concurrency("cuda" if on_gpu else "cpu", cores),
-        tiny=tiny, tiny_at_once=PARALLEL["tiny"] if on_gpu else concurrency("cpu", cores),
+        recipes_at_once=slots, tiny=tiny, tiny_at_once=PARALLEL["tiny"] if on_gpu else slots,
         full_minutes={n: lesson_minutes.get(n, 1.0) for n in tiny} if full else {},
         full_at_once=PARALLEL["full"],
         earlier=earlier_report(REPORTS, result.card) if on_gpu else {},
         scale="full" if full else "tiny",
     )  # fmt: skip
+
+
+def _slots(result: GpuCheckResult) -> int:
+    """Experiments at once on this run's device (``schedule.concurrency``)."""
+    return concurrency("cuda" if result.device.startswith("cuda") else "cpu")
+
+
+def _tiny_paths(cfg: GpuCheckConfig, on_gpu: bool) -> list[Path]:
+    """The notebooks part c runs at the tiny scale: those asked for, else every lesson on a
+    GPU and the rehearsal's short subset elsewhere."""
+    return notebook_paths(cfg.lessons if cfg.lessons is not None else
+                          None if on_gpu else REHEARSAL_LESSONS)  # fmt: skip
 
 
 @contextlib.contextmanager

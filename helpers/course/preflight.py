@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
-import os
 import pickle
 import tempfile
 import time
@@ -388,7 +387,7 @@ def run_preflight(
         return checks[name]
 
     left = (lambda: stop_at - time.monotonic()) if stop_at is not None else (lambda: math.inf)
-    slots = concurrency(d.type if dev.is_cuda(d) else "cpu", os.cpu_count() or 1)
+    slots = concurrency("cuda" if dev.is_cuda(d) else "cpu")
     first = run_at_once([n for n in run if n not in ALONE], one, slots, left=left)
     then = run_at_once([n for n in run if n in ALONE], one, 1, left=left)
     for name in {**first.not_started, **then.not_started}:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -49,9 +50,11 @@ class Schedule:
         return any(b[0] < a[1] for a, b in itertools.pairwise(spans))
 
 
-def concurrency(device_type: str, cores: int) -> int:
+def concurrency(device_type: str, cores: int | None = None) -> int:
     """Experiments at once, each in its own process: on a GPU two host cores each (a process
-    builds its model and feeds the card), at most 8; on a CPU one per core, at most 2."""
+    builds its model and feeds the card), at most 8; on a CPU one per core, at most 2.
+    ``cores``: the host's (default: this machine's)."""
+    cores = cores or os.cpu_count() or 1
     if device_type == "cuda":
         return max(1, min(8, cores // 2))
     return max(1, min(2, cores))
