@@ -43,6 +43,9 @@ CATEGORY = {
 }
 CATEGORIES = tuple(CATEGORY.values())
 _CASTS = (torch.ops.aten._to_copy.default,)
+# A tensor's device asked of a fake tensor (most of a trace's dispatched calls): nothing is
+# allocated or freed, so the tracker passes it on untouched.
+_DEVICE_QUERY = torch.ops.prim.device.default
 
 
 @dataclass
@@ -389,6 +392,8 @@ class CategoryTracker(MemTracker):
         # A cast of a parameter inside forward is autocast's working copy: count it as temporary.
         if self.offload is not None:
             self._account(True)  # ZeRO-3 may have gathered weights since the last allocation
+        if func is _DEVICE_QUERY:
+            return func(*args, **(kwargs or {}))
         if func in _CASTS and args and isinstance(args[0], torch.nn.Parameter):
             self._force_temp = True
         try:
