@@ -348,7 +348,7 @@ def candidates(
     estimate_one = functools.partial(_candidate, infos, effective_batch, seq_len, dev, qlora,
                                      limit, first_fit and not qlora)  # fmt: skip
     cost = functools.partial(_setting_cost, effective_batch, seq_len, dev.type)
-    out = (_cheapest_first(space, estimate_one, report, cost) if first_fit
+    out = (_cheapest_first(space, estimate_one, report, cost, seq_len) if first_fit
            else _descend(space, estimate_one, report, exhaustive))  # fmt: skip
     rank = {name: i for i, name in enumerate(optimizers)}  # ties: the order asked for
     out.sort(key=lambda c: (not c.fits, c.cost, rank[c.optimizer], c.estimated_peak))
@@ -380,23 +380,38 @@ def _descend(space, estimate_one, report, exhaustive: bool) -> list[Candidate]:
     return out
 
 
-def _cheapest_first(space, estimate_one, report, cost_of) -> list[Candidate]:
+def _cheapest_first(space, estimate_one, report, cost_of, seq_len: int) -> list[Candidate]:
     """``candidates``' walk with ``first_fit``: every setting in order of ``cost_of`` (the
     predicted cost, known before estimating), up to the first cost at which one fits and its
     ties; then the answer's plain alternatives not yet estimated (``_plain_changes``), which
     its explanation compares. Nothing cheaper than the answer fits, so it is the answer an
-    exhaustive search gives (tests/test_plan.py)."""
-    order = sorted(space, key=lambda setting: cost_of(*setting))  # stable: ties keep order
+    exhaustive search gives (tests/test_plan.py). A setting whose lighter twin (``_lighter_twins``)
+    came before it is left out (so are their twins): it holds more at no lower cost, so it is
+    never the answer, and it fits only where its twin fits too."""
+    searched = set(space)
+
+    def twins(setting) -> set:
+        return {t for t in _lighter_twins(setting, seq_len) if t in searched}
+
+    # Stable: ties keep their order, except that a setting goes after its lighter twins.
+    order = sorted(space, key=lambda s: (cost_of(*s), bool(twins(s))))
+    settled: set = set()  # estimated, or left out for a twin settled before it
     bar = None if report else progress(None, "estimating setups", len(space), unit="setup")
     out: list[Candidate] = []
     found = None  # the cost at which a candidate first fitted
+    done = 0
     for setting in order:
         if found is not None and cost_of(*setting) > found:
             break
+        done += 1
+        left_out = bool(twins(setting) & settled)
+        settled.add(setting)
+        if left_out:
+            continue
         c = estimate_one(*setting)
         out.append(c)
         found = c.cost if c.fits and found is None else found
-        _advance(bar, report, len(out), len(space))
+        _advance(bar, report, done, len(space))
     fitting = [c for c in out if c.fits]
     if fitting:
         best = min(fitting, key=lambda c: (c.cost, c.estimated_peak))
@@ -409,6 +424,27 @@ def _cheapest_first(space, estimate_one, report, cost_of) -> list[Candidate]:
     _advance(bar, report, len(space), len(space))
     if bar is not None:
         bar.close()
+    return out
+
+
+# From this sequence length eager attention holds more than SDPA: the b x heads x s x s
+# probabilities it keeps outgrow the log-sum-exp (b x heads x s, padded to 32 positions, fp32)
+# that SDPA's fused kernels keep instead (helpers.estimator.traced).
+EAGER_HOLDS_MORE_FROM = 64
+
+
+def _lighter_twins(setting: tuple, seq_len: int) -> list[tuple]:
+    """Settings of the search that hold less than ``setting`` at no higher predicted cost:
+    with its fp32 weights held in its 16-bit compute dtype instead (a frozen base in bf16 or
+    fp16 under LoRA: half the weights' bytes, no autocast copies of them, the same cost), and
+    with SDPA for eager attention (cheaper, and from ``EAGER_HOLDS_MORE_FROM`` positions
+    lighter). tests/test_plan.py compares each pair's estimates."""
+    micro, act, prec, opt, attn, (weight_dtype, update) = setting
+    out = []
+    if weight_dtype == "fp32" and prec in AUTOCAST:
+        out.append((micro, act, prec, opt, attn, (prec, "nearest")))
+    if attn == "eager" and seq_len >= EAGER_HOLDS_MORE_FROM:
+        out.append((micro, act, prec, opt, "sdpa", (weight_dtype, update)))
     return out
 
 

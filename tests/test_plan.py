@@ -355,6 +355,31 @@ def test_plan_for_a_card_stops_at_the_first_fit_with_the_exhaustive_answer():
     assert answer.searched == len(every) and f"of the {len(every)} configurations" in answer.reason
 
 
+def test_a_card_plan_leaves_out_settings_whose_lighter_twin_it_estimated():
+    """An fp32 frozen base holds more than the same LoRA setting's 16-bit base at the same
+    predicted cost, eager attention more than SDPA at a higher one: the first-fit search
+    leaves the heavier twin out (one trace set less each) and finds the exhaustive answer,
+    with the fp32 base estimated once, as the plain alternative its explanation compares."""
+    from helpers.hardware import REFERENCE_CARDS
+    from helpers.planner import _lighter_twins, _setting, _variant
+
+    card = replace(REFERENCE_CARDS["l4"], total_memory=520 * MiB)  # mb4 (of 4) does not fit
+    space = {"optimizers": ("adamw",), "lora_r": 4, "lora_targets": "all-linear",
+             "precisions": ("bf16",), "checkpointing": ("none",),
+             "report": lambda done, total: None}  # fmt: skip
+    every = candidates("llama-tiny", card.total_memory, 4, 64, "cuda", exhaustive=True, **space)
+    first = candidates("llama-tiny", card.total_memory, 4, 64, "cuda", first_fit=True, **space)
+    best = every[0]
+    assert best.fits and first[0] == best and best.micro_batch == 2
+    assert (best.weight_dtype, best.attn) == ("bf16", "sdpa")
+    by_setting = {_setting(c): c for c in every}
+    pairs = [(c, by_setting[t]) for c in every for t in _lighter_twins(_setting(c), 64)]
+    assert len(pairs) == 12 and all(t.estimated_peak < c.estimated_peak for c, t in pairs)
+    assert all(c.attn == "sdpa" for c in first)
+    base32 = [c for c in first if c.weight_dtype == "fp32"]
+    assert base32 == [_variant(every, best, weight_dtype="fp32")] and len(first) == 3
+
+
 def test_plan_for_a_card_traces_nothing_when_no_model_state_fits(monkeypatch):
     """Where weights, gradients and optimizer state alone exceed the card, no step is
     estimated: the answer says so, with the smallest model state, a lower bound."""
@@ -369,7 +394,8 @@ def test_plan_for_a_card_traces_nothing_when_no_model_state_fits(monkeypatch):
     answer = planner.plan_for_card("llama-3.1-8b", card, 8, 2048, "full",
                                    report=lambda done, total: None)  # fmt: skip
     assert answer.best is None and answer.smallest_is_floor
-    assert answer.considered == answer.searched and answer.smallest_peak > answer.usable
+    # Every setting is priced by its model state, except eager attention's (SDPA's twins).
+    assert answer.considered == answer.searched // 2 and answer.smallest_peak > answer.usable
     assert "no setup's model state fits" in answer.reason
 
 

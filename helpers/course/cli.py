@@ -289,7 +289,8 @@ def _plan_card(args, space: dict) -> int:
     print(f"attention assumed: {', '.join(space['attentions'])} (--attn to change; "
           "transformers' default is sdpa)")  # fmt: skip
     print(f"{result.considered} of {result.searched} configurations estimated (cheapest "
-          f"predicted first, up to the first that fits), {len(result.fitting)} fit")  # fmt: skip
+          "predicted first, up to the first that fits; none that holds more than a twin "
+          f"estimated at no lower cost), {len(result.fitting)} fit")  # fmt: skip
     if best is not None:
         est = best.estimate
         print(f"best: {best.label}, estimated peak {best.estimated_peak / GiB:.2f} GiB")
