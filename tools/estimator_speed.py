@@ -5,7 +5,8 @@ that prints its times (not a timed test: the machine's speed drifts).
     python tools/estimator_speed.py            # ~2-3 minutes on 2 cores
 
 Each estimate runs in a fresh process (``helpers.isolate.call_isolated``), so its time
-includes the traces a first estimate of a model makes, as a learner's first question does;
+includes the traces a first estimate of a model makes, as a learner's first question does
+(a LoRA estimate's first import of peft, 2-5 s, is printed beside it, not in it);
 one core each, one after another. The settings: Llama-3.2-3B (its published shape, built
 here from Llama-3.2-1B's config) and Llama-3.1-8B in bf16 with no fp32 copy, LoRA r16 on a
 bf16 base, QLoRA, each with checkpointing; full fine-tuning in bf16 with selective
@@ -37,15 +38,20 @@ SETTINGS = {
 }
 
 
-def timed_estimate(model, setting: dict) -> tuple[float, float]:
-    """Seconds for one estimate (in this process), and its peak in GiB."""
+def timed_estimate(model, setting: dict) -> tuple[float, float, float]:
+    """Seconds for one estimate (in this process), its peak in GiB, and the seconds spent
+    importing peft before it (a LoRA estimate's first, once per process; 0 without LoRA)."""
     from helpers.estimator import estimate
 
+    start = time.perf_counter()
+    if setting.get("lora_r"):
+        import peft  # noqa: F401  (what the first LoRA estimate of a session imports)
+    imported = time.perf_counter() - start
     start = time.perf_counter()
     gc = not setting.get("offload_activations")  # offload instead of checkpointing
     est = estimate(model, 1, 4096, "bf16", gradient_checkpointing=gc, attn="sdpa",
                    device="cuda", **setting)  # fmt: skip
-    return time.perf_counter() - start, est.peak / 2**30
+    return time.perf_counter() - start, est.peak / 2**30, imported
 
 
 def timed_plan(model, card: str, method: str) -> tuple[float, str]:
@@ -64,9 +70,10 @@ def main() -> int:
     print(f"{os.cpu_count()} cores; each line one fresh process", flush=True)
     for name, model in models.items():
         for label, setting in SETTINGS.items():
-            seconds, peak = call_isolated(timed_estimate, model, setting).unwrap()
-            print(f"estimate {name:<13} {label:<28} {seconds:5.1f} s  peak {peak:6.2f} GiB",
-                  flush=True)  # fmt: skip
+            seconds, peak, imported = call_isolated(timed_estimate, model, setting).unwrap()
+            first = f"  (after {imported:.1f} s importing peft)" if imported else ""
+            print(f"estimate {name:<13} {label:<28} {seconds:5.1f} s  peak {peak:6.2f} GiB"
+                  f"{first}", flush=True)  # fmt: skip
     for name, model in {"Llama-3.2-1B": "llama-3.2-1b", "Llama-3.1-8B": "llama-3.1-8b"}.items():
         for method in ("full", "lora"):
             seconds, answer = call_isolated(timed_plan, model, "l4", method).unwrap()
