@@ -330,4 +330,28 @@ def test_on_a_gpu_part_b_caps_each_setting_and_runs_one_past_its_cap_again_alone
         "vanilla": "alone"}  # fmt: skip
     assert rows["big"]["nvml_used"] is None and rows["vanilla"]["nvml_used"] == 7
     assert set(records) == set(settings) and result.estimator_most_at_once == 2
+    assert {r["timeout_s"] for r in rows.values()} == {300}  # no throughput measured: the most
     assert "8 settings at once, caps within 90 GiB of the card" in result.estimator_phases
+
+
+def test_a_setting_is_given_its_predicted_seconds_times_a_margin():
+    """Part b's timeout per setting: a process's start plus its steps' training FLOPs over the
+    preflight's throughput, times TIMEOUT_MARGIN, within TIMEOUT_S and what the deadline leaves."""
+    from helpers.train import RunConfig
+
+    low, high = G.TIMEOUT_S
+    cfg = RunConfig(model="bert-large", batch_size=8, seq_len=512, grad_accum=4,
+                    gradient_checkpointing=True)  # fmt: skip
+    steps = cfg.warmup + cfg.repeats + 3
+    flops = G.rough_training_flops("bert-large", 8 * 512 * 4, steps, gc=True)
+    assert (
+        flops == 6 * 335_143_938 * 8 * 512 * 4 * steps * 4 / 3
+    )  # the course's bert-large, with its head
+    forty = flops / 40.0  # the throughput at which its steps take 40 s
+    assert G.setting_timeout(cfg, forty, 1000.0) == pytest.approx(G.TIMEOUT_MARGIN * (5 + 40))
+    assert G.setting_timeout(cfg, forty / 10, 1000.0) == high  # 400 s of steps
+    assert G.setting_timeout(RunConfig(model="bert-tiny"), forty, 1000.0) == low
+    assert G.setting_timeout(cfg, None, 1000.0) == high  # no throughput: the most
+    assert (
+        G.setting_timeout(cfg, forty, 100.0) == 90.0 and G.setting_timeout(cfg, forty, 20.0) == 30
+    )

@@ -84,7 +84,7 @@ class Experiment:
 # The experiments
 
 
-def _flops(model, tokens: int, steps: int, gc: bool = False) -> float:
+def rough_training_flops(model, tokens: int, steps: int, gc: bool = False) -> float:
     """Rough training FLOPs: 6 per parameter per token (2 forward, 4 backward), x4/3 recomputing."""
     return 6.0 * model_info(model).n_params * tokens * steps * (4 / 3 if gc else 1.0)
 
@@ -107,14 +107,14 @@ class _Lesson:
         """A training run (``helpers.train.measure`` and the like)."""
         est = cuda_estimate(model, b, s, precision, optimizer, gc, attn, ga, **(savers or {}))
         steps = steps or self.scale.warmup + self.scale.repeats + 3  # + tracked, untimed, FLOPs
-        flops = _flops(model, b * s * ga, steps, gc)
+        flops = rough_training_flops(model, b * s * ga, steps, gc)
         self.out.append(Experiment(self.lesson, label, est.peak, flops=flops, **kw))
 
     def forward_backward(self, label, model, b, s, **kw):
         """Forward and backward without an optimizer (gradients, no optimizer state)."""
         est = cuda_estimate(model, b, s, optimizer="sgd")
         peak = est.peak - est.optimizer_state
-        flops = _flops(model, b * s, self.scale.warmup + self.scale.repeats + 2)
+        flops = rough_training_flops(model, b * s, self.scale.warmup + self.scale.repeats + 2)
         self.out.append(Experiment(self.lesson, label, peak, flops=flops, **kw))
 
     def tensors(self, label, nbytes, **kw):

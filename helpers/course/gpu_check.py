@@ -43,8 +43,9 @@ from pathlib import Path
 import torch
 
 from helpers import compat
+from helpers.course.fullscale import rough_training_flops
 from helpers.course.gpu_plan import PlanInputs, earlier_report, plan_parts
-from helpers.course.preflight import format_result, run_preflight
+from helpers.course.preflight import STARTUP_S, format_result, run_preflight
 from helpers.course.schedule import Ran, concurrency, run_at_once
 from helpers.device import cudnn_version, gpu_info, is_cuda, nvml_summary, resolve, tf32_capable
 from helpers.estimator import estimate_run
@@ -149,6 +150,7 @@ class _Run:
     clock: Clock
     write: Callable[[], None]  # the report to disk, as it stands
     say: Callable[[str], None]  # one line of progress (the command prints it)
+    flops_per_s: float | None = None  # the preflight's training throughput (part a)
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,6 +322,30 @@ def worst_category(row: dict) -> tuple[str, float] | None:
 CAP_MARGIN = 1.5  # a concurrent setting's cap: its predicted peak times this, plus CAP_EXTRA
 CAP_EXTRA = 2 * GiB  # the CUDA context, cuBLAS's workspace, the allocator's rounding
 CARD_SHARE = 0.9  # of the card's memory, what the concurrent settings' caps may add up to
+TIMEOUT_MARGIN = 4.0  # a setting's timeout: its predicted seconds times this,
+# Within these: the H200 started one setting's process and ran it in 22-30 s alone (its
+# 2026-11-27 report), and part b runs up to 8 at once.
+TIMEOUT_S = (90.0, 300.0)
+
+
+def setting_timeout(run_cfg: RunConfig, flops_per_s: float | None, left: float) -> float:
+    """Seconds part b gives one setting: its predicted seconds (a process's start, then its
+    steps' training FLOPs over the preflight's fp32 throughput) times ``TIMEOUT_MARGIN``,
+    within ``TIMEOUT_S`` and the ``left`` seconds of the deadline (10 kept for the report).
+    A setting that hangs gives back its slot in a minute and a half, not five.
+
+    Example:
+        >>> setting_timeout(RunConfig(model="bert-tiny"), 1e12, left=500.0)
+        90.0
+    """
+    low, high = TIMEOUT_S
+    if flops_per_s:
+        c = run_cfg
+        tokens = c.batch_size * c.seq_len * c.grad_accum
+        steps = c.warmup + c.repeats + 3  # + the tracked step, an untimed one, the FLOP count
+        flops = rough_training_flops(c.model, tokens, steps, c.gradient_checkpointing)
+        high = min(high, max(low, TIMEOUT_MARGIN * (STARTUP_S + flops / flops_per_s)))
+    return max(30.0, min(high, left - 10))  # run_at_once starts none with under 30 s left
 
 
 def _part_b(run: _Run) -> dict:
@@ -337,6 +363,7 @@ def _part_b(run: _Run) -> dict:
     result.estimator_phases = _phases(slots, capacity, len(alone))
     records: dict = {}
     caps: dict[str, int] = {}
+    timeouts: dict[str, float] = {}
 
     def need(label: str) -> int | None:  # the cap: the predicted peak with a margin
         try:
@@ -349,7 +376,8 @@ def _part_b(run: _Run) -> dict:
         run_cfg = settings[label]
         if capped and label in caps:
             run_cfg = replace(run_cfg, budget=caps[label])
-        out = call_isolated(measure, run_cfg, timeout=max(30.0, min(300.0, clock.left() - 10)))
+        timeouts[label] = setting_timeout(run_cfg, run.flops_per_s, clock.left())
+        out = call_isolated(measure, run_cfg, timeout=timeouts[label])
         return out.value if out.error is None else _failed_record(run_cfg, out.error)
 
     def done(ran: Ran, phase: str) -> None:
@@ -360,7 +388,8 @@ def _part_b(run: _Run) -> dict:
             return
         records[ran.name] = record
         row = estimator_row(ran.name, settings[ran.name], record)
-        row.update(phase=phase, started_s=round(ran.started, 1), ended_s=round(ran.ended, 1))
+        row.update(phase=phase, started_s=round(ran.started, 1), ended_s=round(ran.ended, 1),
+                   timeout_s=round(timeouts.get(ran.name, 0.0)))  # fmt: skip
         if phase == "at once" and cuda:  # NVML sees the whole card: every process at once
             row.update(nvml_used=None, nvml_minus_reserved=None)
         result.estimator.append(row)
@@ -788,6 +817,7 @@ def run_gpu_check(
     run = _Run(cfg, result, clock, write, say)
     with _timed_part(result, "a", clock):
         preflight = _part_a(run)
+    run.flops_per_s = preflight.flops_per_s
     plan = plan_parts(_plan_inputs(run, preflight.lesson_minutes), clock.left())
     result.plan = plan.summary()
     write()
@@ -965,10 +995,12 @@ def _estimator_markdown(result: GpuCheckResult) -> list[str]:
 
 
 def _ran(row: dict) -> str:
-    """A part b row's phase and seconds, "at once 3-15 s" (older reports have neither)."""
+    """A part b row's phase, seconds and timeout, "at once 3-15 s of 90" (older reports have
+    neither, or no timeout)."""
     if "phase" not in row:
         return ""
-    return f"{row['phase']} {row['started_s']:.0f}-{row['ended_s']:.0f} s"
+    given = f" of {row['timeout_s']:.0f}" if row.get("timeout_s") else ""
+    return f"{row['phase']} {row['started_s']:.0f}-{row['ended_s']:.0f} s{given}"
 
 
 def _num(row: dict, key: str, fmt: str = "{:.2f}") -> str:
