@@ -43,10 +43,12 @@ def timed_estimate(model, setting: dict) -> tuple[float, float, float]:
     importing peft before it (a LoRA estimate's first, once per process; 0 without LoRA)."""
     from helpers.estimator import estimate
 
-    start = time.perf_counter()
+    imported = 0.0
     if setting.get("lora_r"):
+        start = time.perf_counter()
         import peft  # noqa: F401  (what the first LoRA estimate of a session imports)
-    imported = time.perf_counter() - start
+
+        imported = time.perf_counter() - start
     start = time.perf_counter()
     gc = not setting.get("offload_activations")  # offload instead of checkpointing
     est = estimate(model, 1, 4096, "bf16", gradient_checkpointing=gc, attn="sdpa",
