@@ -29,7 +29,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from helpers import train
-from helpers.device import ASSUMED_CONTEXT, RESERVE_MARGIN, is_cuda, present, resolve
+from helpers.device import (
+    ASSUMED_CONTEXT,
+    RESERVE_MARGIN,
+    allocation_bytes,
+    is_cuda,
+    present,
+    resolve,
+)
 from helpers.estimator import Estimate, describe_model, estimate, model_state_floor
 from helpers.hardware import REFERENCE_CARDS, precision_problem
 from helpers.isolate import call_isolated, compare_runs
@@ -130,8 +137,9 @@ class Candidate:
     bf16_update: str = "nearest"  # RunConfig.bf16_update (kahan for full bf16 fine-tuning)
     checkpoint_policy: str = "full"  # RunConfig.checkpoint_policy (with gradient_checkpointing)
     offload_activations: bool = False  # RunConfig.offload_activations
-    # True: not estimated, as the model state alone (weights, buffers, gradients, optimizer
-    # state) exceeds the budget; estimated_peak is that state, a lower bound of the peak.
+    # True: not estimated, as a lower bound of its peak already exceeds the budget: the model
+    # state alone (weights, buffers, gradients, optimizer state), or a lighter twin's peak
+    # plus the bytes its weights take more (``_more_weight_bytes``); estimated_peak is that.
     peak_is_floor: bool = False
 
     @property
@@ -348,10 +356,14 @@ def candidates(
     estimate_one = functools.partial(_candidate, infos, effective_batch, seq_len, dev, qlora,
                                      limit, first_fit and not qlora)  # fmt: skip
     cost = functools.partial(_setting_cost, effective_batch, seq_len, dev.type)
-    out = (_cheapest_first(space, estimate_one, report, cost, seq_len) if first_fit
-           else _descend(space, estimate_one, report, exhaustive))  # fmt: skip
     rank = {name: i for i, name in enumerate(optimizers)}  # ties: the order asked for
-    out.sort(key=lambda c: (not c.fits, c.cost, rank[c.optimizer], c.estimated_peak))
+
+    def first(c: Candidate) -> tuple:  # the answer is the first by this
+        return (not c.fits, c.cost, rank[c.optimizer], c.estimated_peak)
+
+    out = (_cheapest_first(space, estimate_one, report, cost, seq_len, first) if first_fit
+           else _descend(space, estimate_one, report, exhaustive))  # fmt: skip
+    out.sort(key=first)
     return out
 
 
@@ -380,11 +392,13 @@ def _descend(space, estimate_one, report, exhaustive: bool) -> list[Candidate]:
     return out
 
 
-def _cheapest_first(space, estimate_one, report, cost_of, seq_len: int) -> list[Candidate]:
+def _cheapest_first(space, estimate_one, report, cost_of, seq_len: int, first) -> list[Candidate]:
     """``candidates``' walk with ``first_fit``: every setting in order of ``cost_of`` (the
     predicted cost, known before estimating), up to the first cost at which one fits and its
     ties; then the answer's plain alternatives not yet estimated (``_plain_changes``), which
-    its explanation compares. Nothing cheaper than the answer fits, so it is the answer an
+    its explanation compares (a heavier twin of the answer as a floor where that is over the
+    budget: ``_candidate``'s ``twin``); ``first`` ranks the answer first, as ``candidates``
+    does. Nothing cheaper than the answer fits, so it is the answer an
     exhaustive search gives (tests/test_plan.py). A setting whose lighter twin (``_lighter_twins``)
     came before it is left out (so are their twins): it holds more at no lower cost, so it is
     never the answer, and it fits only where its twin fits too."""
@@ -399,11 +413,11 @@ def _cheapest_first(space, estimate_one, report, cost_of, seq_len: int) -> list[
     bar = None if report else progress(None, "estimating setups", len(space), unit="setup")
     out: list[Candidate] = []
     found = None  # the cost at which a candidate first fitted
-    done = 0
+    walked = 0
     for setting in order:
         if found is not None and cost_of(*setting) > found:
             break
-        done += 1
+        walked += 1
         left_out = bool(twins(setting) & settled)
         settled.add(setting)
         if left_out:
@@ -411,15 +425,16 @@ def _cheapest_first(space, estimate_one, report, cost_of, seq_len: int) -> list[
         c = estimate_one(*setting)
         out.append(c)
         found = c.cost if c.fits and found is None else found
-        _advance(bar, report, done, len(space))
+        _advance(bar, report, walked, len(space))
     fitting = [c for c in out if c.fits]
     if fitting:
-        best = min(fitting, key=lambda c: (c.cost, c.estimated_peak))
+        best = min(fitting, key=first)  # the answer, as ``candidates`` ranks them
         done = {_setting(c) for c in out}
         for chosen, _, change in _plain_changes(best):
             other = _setting(replace(best, **change))
             if chosen and other in space and other not in done:
-                out.append(estimate_one(*other))
+                twin = best if _setting(best) in _lighter_twins(other, seq_len) else None
+                out.append(estimate_one(*other, twin=twin))  # a floor, where that decides
                 done.add(other)
     _advance(bar, report, len(space), len(space))
     if bar is not None:
@@ -469,13 +484,18 @@ def _setting_cost(effective_batch, seq_len, device_type, *setting) -> float:
 
 
 def _candidate(infos, effective_batch, seq_len, dev, qlora, limit, floor, micro, act, prec, opt,
-               attn, weights) -> Candidate:  # fmt: skip
+               attn, weights, twin: Candidate | None = None) -> Candidate:  # fmt: skip
     """One candidate of the search, estimated (``infos``: the ModelInfo per attention and
     weights' dtype). ``floor``: when the model state alone (``model_state_floor``) exceeds
-    ``limit`` the step cannot fit and is not estimated; the candidate's peak is that floor."""
+    ``limit`` the step cannot fit and is not estimated; the candidate's peak is that floor.
+    So too when ``twin``, an estimated setting equal to this one but for lighter weights (its
+    ``_lighter_twins``), plus the bytes this one's weights take more, exceeds ``limit``."""
     c = _unestimated(effective_batch, micro, act, prec, opt, attn, weights)
     info = infos[attn, c.weight_dtype]
     state = model_state_floor(info, opt, dev.type, c.bf16_update) if floor else 0
+    if floor and twin is not None and twin.estimate is not None and twin.attn == attn:
+        light = infos[attn, twin.weight_dtype]
+        state = max(state, twin.estimated_peak + _more_weight_bytes(info, light, dev.type))
     if floor and state > limit:
         c = replace(c, estimated_peak=state, peak_is_floor=True)
         return replace(c, cost=predicted_cost(c, seq_len, dev.type))
@@ -484,6 +504,20 @@ def _candidate(infos, effective_batch, seq_len, dev, qlora, limit, floor, micro,
                    bf16_update=c.bf16_update, **activation_fields(act))  # fmt: skip
     c = replace(c, estimated_peak=est.peak, fits=est.peak <= limit, estimate=est)
     return replace(c, cost=predicted_cost(c, seq_len, dev.type))
+
+
+def _more_weight_bytes(heavy, light, device_type: str) -> int:
+    """At least how many more bytes ``heavy``'s frozen weights hold than ``light``'s (two
+    ModelInfos of one model, an fp32 and a 16-bit base): the first's bytes as they are, the
+    second's rounded up as the allocator stores them. With everything else of a step at least
+    as large in fp32 (tests/test_plan.py compares the pairs), a lighter twin's peak plus
+    these bytes is a lower bound of the heavier one's."""
+
+    def frozen(info, rounded: bool) -> int:
+        sizes = (p.numel * p.dtype.itemsize for p in info.params if not p.trainable)
+        return sum(allocation_bytes(n, device_type) if rounded else n for n in sizes)
+
+    return frozen(heavy, False) - frozen(light, True)
 
 
 def _advance(bar, report, done: int, total: int) -> None:
@@ -700,7 +734,8 @@ def _savings(c: Candidate, cands: list[Candidate]) -> tuple[list[str], list[str]
     for chosen, name, change in _plain_changes(c):
         other = _variant(cands, c, **change) if chosen else None
         if other is not None:
-            note = f"{name} ({human_bytes(other.estimated_peak)})"
+            floor = "at least " if other.peak_is_floor else ""
+            note = f"{name} ({floor}{human_bytes(other.estimated_peak)})"
             (optional if other.fits else needed).append(note)
         elif chosen:
             unsearched.append(name)

@@ -359,9 +359,11 @@ def test_a_card_plan_leaves_out_settings_whose_lighter_twin_it_estimated():
     """An fp32 frozen base holds more than the same LoRA setting's 16-bit base at the same
     predicted cost, eager attention more than SDPA at a higher one: the first-fit search
     leaves the heavier twin out (one trace set less each) and finds the exhaustive answer,
-    with the fp32 base estimated once, as the plain alternative its explanation compares."""
+    with the fp32 base estimated once, as the plain alternative its explanation compares; or
+    not even once, where the twin's peak plus the fp32 weights' extra bytes is over the card."""
+    from helpers.estimator import describe_model
     from helpers.hardware import REFERENCE_CARDS
-    from helpers.planner import _lighter_twins, _setting, _variant
+    from helpers.planner import _lighter_twins, _more_weight_bytes, _setting, _variant
 
     card = replace(REFERENCE_CARDS["l4"], total_memory=520 * MiB)  # mb4 (of 4) does not fit
     space = {"optimizers": ("adamw",), "lora_r": 4, "lora_targets": "all-linear",
@@ -378,6 +380,39 @@ def test_a_card_plan_leaves_out_settings_whose_lighter_twin_it_estimated():
     assert all(c.attn == "sdpa" for c in first)
     base32 = [c for c in first if c.weight_dtype == "fp32"]
     assert base32 == [_variant(every, best, weight_dtype="fp32")] and len(first) == 3
+    # A lighter twin's peak plus the bytes the fp32 base takes more bounds the fp32 peak:
+    infos = {
+        wd: describe_model("llama-tiny", "sdpa", 4, "all-linear", wd) for wd in ("fp32", "bf16")
+    }
+    more = _more_weight_bytes(infos["fp32"], infos["bf16"], "cuda")
+    weight_pairs = [(c, t) for c, t in pairs if c.attn == t.attn]
+    assert len(weight_pairs) == 6 and more > 0
+    assert all(t.estimated_peak + more <= c.estimated_peak for c, t in weight_pairs)
+    # so where that bound is over the card, the answer's fp32 alternative is not traced.
+    card = replace(card, total_memory=518 * MiB)  # mb2 of a 16-bit base fits, of fp32 not
+    floor = candidates("llama-tiny", card.total_memory, 4, 64, "cuda", first_fit=True, **space)
+    alternative = _variant(floor, best, weight_dtype="fp32")
+    assert floor[0] == best and alternative.peak_is_floor and not alternative.fits
+    assert alternative.estimated_peak == best.estimated_peak + more
+    assert alternative.estimated_peak < _variant(every, best, weight_dtype="fp32").estimated_peak
+
+
+def test_a_card_plan_compares_the_alternatives_of_the_answer_it_gives():
+    """The first-fit search estimates the plain alternatives of the answer ``candidates``
+    ranks first (AdamW, the optimizer asked for first), not of the lightest candidate at the
+    same cost (Adafactor's): its explanation compares the answer's own fp32 weights."""
+    from helpers.hardware import REFERENCE_CARDS
+    from helpers.planner import plan_for_card
+
+    card = replace(REFERENCE_CARDS["l4"], total_memory=520 * MiB)
+    space = {"optimizers": ("adamw", "adafactor"), "attentions": ("sdpa",),
+             "checkpointing": ("none",), "report": lambda done, total: None}  # fmt: skip
+    answer = plan_for_card("llama-tiny", card, 4, 64, "lora", 4, "all-linear", **space)
+    best = answer.best
+    assert best.optimizer == "adamw" and best.weight_dtype == "bf16"
+    lighter = [c for c in answer.fitting if c.cost == best.cost and c.optimizer == "adafactor"]
+    assert lighter and lighter[0].estimated_peak < best.estimated_peak
+    assert "fp32 weights (" in answer.reason and "not compared: fp32 weights" not in answer.reason
 
 
 def test_plan_for_a_card_traces_nothing_when_no_model_state_fits(monkeypatch):
