@@ -356,15 +356,18 @@ def candidates(
     estimate_one = functools.partial(_candidate, infos, effective_batch, seq_len, dev, qlora,
                                      limit, first_fit and not qlora)  # fmt: skip
     cost = functools.partial(_setting_cost, effective_batch, seq_len, dev.type)
-    rank = {name: i for i, name in enumerate(optimizers)}  # ties: the order asked for
-
-    def first(c: Candidate) -> tuple:  # the answer is the first by this
-        return (not c.fits, c.cost, rank[c.optimizer], c.estimated_peak)
-
+    first = _ranking(optimizers)
     out = (_cheapest_first(space, estimate_one, report, cost, seq_len, first) if first_fit
            else _descend(space, estimate_one, report, exhaustive))  # fmt: skip
     out.sort(key=first)
     return out
+
+
+def _ranking(optimizers) -> Callable[[Candidate], tuple]:
+    """``candidates``' order, the answer first: fitting, cheapest predicted, the optimizer
+    asked for first, the lightest."""
+    rank = {name: i for i, name in enumerate(optimizers)}  # ties: the order asked for
+    return lambda c: (not c.fits, c.cost, rank[c.optimizer], c.estimated_peak)
 
 
 def _descend(space, estimate_one, report, exhaustive: bool) -> list[Candidate]:
