@@ -37,7 +37,7 @@ from helpers.device import (
     present,
     resolve,
 )
-from helpers.estimator import Estimate, describe_model, estimate, model_state_floor
+from helpers.estimator import Estimate, ModelInfo, describe_model, estimate, model_state_floor
 from helpers.hardware import REFERENCE_CARDS, precision_problem
 from helpers.isolate import call_isolated, compare_runs
 from helpers.memory import CategoryTracker, memory_budget
@@ -346,11 +346,7 @@ def candidates(
         precisions = [p for p in precisions if p in AUTOCAST]
     optimizers = list(optimizers or available_optimizers())
     weights = list(weights or weight_settings(precisions, optimizers, lora_r > 0, qlora))
-    infos = {
-        (attn, wd): describe_model(model, attn, lora_r, lora_targets, wd)
-        for attn in attentions
-        for wd in {wd for wd, _ in weights}
-    }
+    infos = _Described(model, lora_r, lora_targets)
     space = _space(effective_batch, activation_settings(checkpointing, dev), precisions,
                    optimizers, attentions, weights, lora_r > 0)  # fmt: skip
     estimate_one = functools.partial(_candidate, infos, effective_batch, seq_len, dev, qlora,
@@ -484,6 +480,22 @@ def _unestimated(effective_batch, micro, act, prec, opt, attn, weights) -> Candi
 def _setting_cost(effective_batch, seq_len, device_type, *setting) -> float:
     """``predicted_cost`` of a setting of the search, which needs no estimate."""
     return predicted_cost(_unestimated(effective_batch, *setting), seq_len, device_type)
+
+
+class _Described(dict):
+    """The ``ModelInfo`` of ``model`` per (attention, weights' dtype), described the first time
+    a search asks for it: a LoRA model is wrapped by peft on the meta device for each, and a
+    search that stops early asks for few of them."""
+
+    def __init__(self, model, lora_r: int, lora_targets: str) -> None:
+        super().__init__()
+        self.model, self.lora_r, self.lora_targets = model, lora_r, lora_targets
+
+    def __missing__(self, key: tuple[str, str]) -> ModelInfo:
+        attn, weight_dtype = key
+        info = describe_model(self.model, attn, self.lora_r, self.lora_targets, weight_dtype)
+        self[key] = info
+        return info
 
 
 def _candidate(infos, effective_batch, seq_len, dev, qlora, limit, floor, micro, act, prec, opt,
