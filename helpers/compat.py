@@ -36,6 +36,7 @@ TESTED: dict[str, tuple[str, str]] = {
     "matplotlib": ("3.10.9", "3.11.2"),
     "tqdm": ("4.69.1", "4.70.1"),
     "datasets": ("5.2.0", "5.2.0"),
+    "dill": ("0.4.1", "0.4.1"),
 }
 
 
@@ -54,6 +55,7 @@ REQUIRED = [
     Package("transformers", "transformers", "all", ""),
     Package("accelerate", "accelerate", "all", ""),
     Package("datasets", "datasets", "02-07 12 14", ""),
+    Package("dill", "dill", "all", ""),
     Package("peft", "peft", "13 14", ""),
     Package("numpy", "numpy", "all", ""),
     Package("pandas", "pandas", "all", ""),

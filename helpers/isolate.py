@@ -5,10 +5,20 @@ compiled kernels and no CUDA context left over from earlier cells. We fork each 
 from a *forkserver* that has imported torch and transformers once but never run anything:
 every child is as clean as a new interpreter, without paying the imports (seconds on a
 laptop) every time. Where forkserver does not exist (Windows) we fall back to spawn.
+
+The experiment may be written in a notebook cell: a function or class defined there (in the
+kernel's ``__main__``, which the fresh process does not have) travels by value, serialised with
+``dill``, so the code the cell shows is the code that runs. What cannot travel with it (a model
+or a CUDA tensor the notebook made, an open file) is refused before the process starts
+(``CannotTravel``), naming the variable and what to pass instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import io
 import os
 import statistics
 import time
@@ -17,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import dill
 import torch
 
 from helpers.device import (
@@ -68,9 +79,126 @@ def capture(fn: Callable, args=(), kwargs=None, catch: type = Exception) -> Outc
         return Outcome(error=message, error_type="error", traceback=traceback.format_exc())
 
 
+# --------------------------------------------------------------------------------------------
+# Code from a notebook cell, sent by value
+
+
+class CannotTravel(ValueError):
+    """Something a cell's experiment uses cannot be sent to a fresh process (one line: which
+    variable, and what to pass instead)."""
+
+
+@dataclass(frozen=True)
+class _ByValue:
+    """Objects that hold code defined in a notebook cell, serialised by value (``dill``)."""
+
+    data: bytes
+
+    def load(self) -> Any:
+        return dill.loads(self.data)
+
+
+def portable(obj: Any, what: str = "the experiment") -> Any:
+    """``obj`` as it can travel to a fresh process: itself when all its code is importable,
+    else serialised by value (``_ByValue``) after ``CannotTravel`` checks what the cell's code uses.
+
+    Args:
+        obj: a function, a class, or a tuple/dict/dataclass holding them (a ``Bench``).
+        what: how an error names it ("step", "the contender 'fused'").
+
+    Returns:
+        ``obj`` unchanged, or a ``_ByValue`` that ``arrived`` turns back into it.
+
+    Example::
+
+        def step(): ...  # in a notebook cell
+        call_isolated(step)  # sends portable((step, (), {})): step's own code, by value
+    """
+    cells = _defined_in_cells(obj)
+    if not cells:
+        return obj
+    for name, value in _captured(cells):
+        problem = _cannot_travel(value)
+        if problem:
+            raise CannotTravel(f"{what} uses `{name}`, {problem}")
+    try:
+        return _ByValue(dill.dumps(obj, recurse=True))
+    except Exception as err:  # dill names the object it could not serialise
+        raise CannotTravel(
+            f"{what} cannot be sent to a fresh process: {_first_line(err)}"
+        ) from None
+
+
+def arrived(obj: Any) -> Any:
+    """What ``portable`` sent, as it was (in the fresh process)."""
+    return obj.load() if isinstance(obj, _ByValue) else obj
+
+
+def _in_cell(obj: Any) -> bool:
+    return getattr(obj, "__module__", None) == "__main__"
+
+
+def _defined_in_cells(obj: Any, depth: int = 4) -> list:
+    """The functions and classes defined in a notebook cell (``__main__``) that ``obj`` holds."""
+    if depth < 0:
+        return []
+    if inspect.isfunction(obj) or inspect.isclass(obj):
+        return [obj] if _in_cell(obj) else []
+    if _in_cell(type(obj)):  # an instance of a class defined in a cell
+        return [type(obj)]
+    if isinstance(obj, functools.partial):
+        return _defined_in_cells((obj.func, obj.args, obj.keywords), depth - 1)
+    if isinstance(obj, (tuple, list, set, frozenset)):
+        items = list(obj)
+    elif isinstance(obj, dict):
+        items = list(obj.values())
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    else:
+        return []
+    return [found for item in items for found in _defined_in_cells(item, depth - 1)]
+
+
+def _captured(code: list) -> list[tuple[str, Any]]:
+    """(name, value) of every variable the cells' functions use from outside themselves (the
+    notebook's globals, enclosing functions), following other cell functions and classes."""
+    seen, out, todo = set(), [], list(code)
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if inspect.isclass(obj):
+            todo += [f for f in vars(obj).values() if inspect.isfunction(f)]
+            continue
+        found = inspect.getclosurevars(obj)
+        for name, value in {**found.globals, **found.nonlocals}.items():
+            if (inspect.isfunction(value) or inspect.isclass(value)) and _in_cell(value):
+                todo.append(value)
+            else:
+                out.append((name, value))
+    return out
+
+
+def _cannot_travel(value: Any) -> str:
+    """Why ``value`` cannot go with a cell's code to a fresh process ("" if it can)."""
+    if isinstance(value, torch.nn.Module):
+        kind = type(value).__name__
+        return (f"a model ({kind}) made in this notebook: build it inside the function (from "
+                "its config), so the fresh process makes and measures its own")  # fmt: skip
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        return (f"a tensor on {value.device}: create it inside the function, or pass a CPU "
+                "copy (.cpu()) as an argument")  # fmt: skip
+    if isinstance(value, io.IOBase):
+        return "an open file: pass its path as an argument and open it inside the function"
+    return ""
+
+
 def _child(conn, fn, args, kwargs) -> None:
     quiet_here()  # a bar in this process would reach the kernel's log, not the notebook
     try:  # in the child even KeyboardInterrupt or SystemExit comes back as an Outcome
+        if isinstance(fn, _ByValue):  # code from a notebook cell (``portable``)
+            fn, args, kwargs = fn.load()
         with quiet_libraries():  # import-time notices of bitsandbytes and DeepSpeed
             outcome = capture(fn, args, kwargs, catch=BaseException)
         if outcome.error is not None and forked_after_cuda():
@@ -104,12 +232,16 @@ def call_isolated(
 ) -> Outcome:
     """Call ``fn(*args, **kwargs)`` in a fresh process; its result or its failure comes back.
 
-    ``fn`` must be importable (defined in a module, not in a notebook cell).
+    ``fn`` may be defined in a notebook cell: it travels by value (``portable``), and
+    ``CannotTravel`` says, before the process starts, which variable it uses cannot go with it.
     A child killed from outside (the kernel's OOM killer, a segfault) comes back as "crash".
     The child is a daemon (it dies with the kernel) unless ``daemon=False``, which an
     experiment needs when it starts processes of its own, such as DataLoader workers:
     multiprocessing does not let a daemon process have children.
     """
+    sent = portable((fn, args, kwargs), f"`{getattr(fn, '__name__', fn)}`")
+    if isinstance(sent, _ByValue):
+        fn, args, kwargs = sent, (), {}
     ctx = context()
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(child, fn, args, kwargs), daemon=daemon)
@@ -160,7 +292,8 @@ def _device_name(device: str | None) -> str:
 @dataclass(frozen=True)
 class Bench:
     """How to build one contender in a fresh process: ``fn(*args, **kwargs)`` returns the
-    callable to time (a training step, say). ``fn`` must be importable, as for call_isolated."""
+    callable to time (a training step, say). ``fn`` may be defined in a notebook cell, as
+    for call_isolated."""
 
     fn: Callable
     args: tuple = ()
@@ -180,6 +313,7 @@ def _bench_worker(conn, spec: Bench, device: str, warmup: int) -> None:
     """A contender's process: build it, warm it up, then time calls until told to stop."""
     quiet_here()
     try:
+        spec = arrived(spec)  # a contender written in a notebook cell comes by value
         with quiet_libraries():
             call = spec.build()
         time_fn(call, torch.device(device), warmup=warmup, repeats=1)
@@ -205,7 +339,8 @@ class Workers:
                  daemon: bool = True) -> None:  # fmt: skip
         self.conns, self.procs, self.errors = {}, {}, {}
         ctx = context()
-        for name, spec in benches.items():
+        sent = {name: portable(spec, f"the contender {name!r}") for name, spec in benches.items()}
+        for name, spec in sent.items():
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_bench_worker, args=(child, spec, device, warmup),
                                daemon=daemon)  # fmt: skip
