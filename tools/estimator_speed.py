@@ -6,7 +6,7 @@ that prints its times (not a timed test: the machine's speed drifts).
 
 Each estimate runs in a fresh process (``helpers.isolate.call_isolated``), so its time
 includes the traces a first estimate of a model makes, as a learner's first question does
-(a LoRA estimate's first import of peft, 2-5 s, is printed beside it, not in it);
+(a LoRA estimate's or plan's first import of peft, 2-10 s, is printed beside it, not in it);
 one core each, one after another. The settings: Llama-3.2-3B (its published shape, built
 here from Llama-3.2-1B's config) and Llama-3.1-8B in bf16 with no fp32 copy, LoRA r16 on a
 bf16 base, QLoRA, each with checkpointing; full fine-tuning in bf16 with selective
@@ -56,14 +56,21 @@ def timed_estimate(model, setting: dict) -> tuple[float, float, float]:
     return time.perf_counter() - start, est.peak / 2**30, imported
 
 
-def timed_plan(model, card: str, method: str) -> tuple[float, str]:
-    """Seconds for ``plan_for_card``'s whole default search, and its answer."""
+def timed_plan(model, card: str, method: str) -> tuple[float, str, float]:
+    """Seconds for ``plan_for_card``'s whole default search, its answer, and the seconds spent
+    importing peft before it (a LoRA plan's first, as for an estimate)."""
     from helpers.planner import plan_for_card
 
+    imported = 0.0
+    if method != "full":
+        start = time.perf_counter()
+        import peft  # noqa: F401  (what the first LoRA estimate of a session imports)
+
+        imported = time.perf_counter() - start
     start = time.perf_counter()
     result = plan_for_card(model, card, 8, 2048, method, report=lambda done, total: None)
     answer = result.best.label if result.best else "does not fit"
-    return time.perf_counter() - start, f"{answer} ({result.considered} estimated)"
+    return time.perf_counter() - start, f"{answer} ({result.considered} estimated)", imported
 
 
 def main() -> int:
@@ -78,8 +85,9 @@ def main() -> int:
                   f"{first}", flush=True)  # fmt: skip
     for name, model in {"Llama-3.2-1B": "llama-3.2-1b", "Llama-3.1-8B": "llama-3.1-8b"}.items():
         for method in ("full", "lora"):
-            seconds, answer = call_isolated(timed_plan, model, "l4", method).unwrap()
-            print(f"plan_for_card {name} on an L4, {method:<4} {seconds:5.1f} s  {answer}",
+            seconds, answer, imported = call_isolated(timed_plan, model, "l4", method).unwrap()
+            first = f"  (after {imported:.1f} s importing peft)" if imported else ""
+            print(f"plan_for_card {name} on an L4, {method:<4} {seconds:5.1f} s  {answer}{first}",
                   flush=True)  # fmt: skip
     return 0
 
