@@ -15,11 +15,13 @@ or a CUDA tensor the notebook made, an open file) is refused before the process 
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 import functools
 import inspect
 import io
 import os
+import pickle
 import statistics
 import time
 import traceback
@@ -122,11 +124,36 @@ def portable(obj: Any, what: str = "the experiment") -> Any:
         if problem:
             raise CannotTravel(f"{what} uses `{name}`, {problem}")
     try:
-        return _ByValue(dill.dumps(obj, recurse=True))
+        return _ByValue(_dumps(obj))
     except Exception as err:  # dill names the object it could not serialise
         raise CannotTravel(
             f"{what} cannot be sent to a fresh process: {_first_line(err)}"
         ) from None
+
+
+# Operators (``torch.ops.aten.mm.default``) do not pickle; a cell's checkpoint policy keeps a
+# set of them, so they travel by name ("aten.mm.default") and are looked up again on arrival.
+_OPERATORS = (type(torch.ops.aten.mm.default), type(torch.ops.aten.mm))
+
+
+def _operator(name: str) -> Any:
+    return functools.reduce(getattr, name.split("."), torch.ops)
+
+
+def _by_name(op: Any) -> tuple:
+    return _operator, (str(op),)
+
+
+_BY_NAME = dict.fromkeys(_OPERATORS, _by_name)
+
+
+def _dumps(obj: Any) -> bytes:
+    """``obj`` pickled by ``dill``, code from cells by value, operators by name."""
+    buf = io.BytesIO()
+    pickler = dill.Pickler(buf, recurse=True)
+    pickler.dispatch_table = {**copyreg.dispatch_table, **_BY_NAME}
+    pickler.dump(obj)
+    return buf.getvalue()
 
 
 def arrived(obj: Any) -> Any:
@@ -138,8 +165,41 @@ def _in_cell(obj: Any) -> bool:
     return getattr(obj, "__module__", None) == "__main__"
 
 
-def _defined_in_cells(obj: Any, depth: int = 4) -> list:
-    """The functions and classes defined in a notebook cell (``__main__``) that ``obj`` holds."""
+def _defined_in_cells(obj: Any) -> list:
+    """The functions and classes defined in a notebook cell (``__main__``) that ``obj`` holds,
+    found as pickle walks it (everything the fresh process would be sent), else, where
+    something in it does not pickle, by a walk of its containers."""
+    finder = _CellFinder()
+    try:
+        finder.dump(obj)
+    except Exception:  # something pickle cannot send; multiprocessing would say so itself
+        return _walk_for_cells(obj)
+    return finder.found
+
+
+class _Discard:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+class _CellFinder(pickle.Pickler):
+    """A pickler that writes nothing and notes each function or class of a cell it meets."""
+
+    def __init__(self) -> None:
+        super().__init__(_Discard())
+        self.found: list = []
+        self.dispatch_table = {**copyreg.dispatch_table, **_BY_NAME}
+
+    def persistent_id(self, obj: Any) -> str | None:
+        if (inspect.isfunction(obj) or inspect.isclass(obj)) and _in_cell(obj):
+            if all(obj is not f for f in self.found):
+                self.found.append(obj)
+            return "a cell's"  # not walked further: dill sends it by value
+        return None
+
+
+def _walk_for_cells(obj: Any, depth: int = 8) -> list:
+    """``_defined_in_cells`` by a walk of containers, partials and dataclasses."""
     if depth < 0:
         return []
     if inspect.isfunction(obj) or inspect.isclass(obj):
@@ -147,8 +207,8 @@ def _defined_in_cells(obj: Any, depth: int = 4) -> list:
     if _in_cell(type(obj)):  # an instance of a class defined in a cell
         return [type(obj)]
     if isinstance(obj, functools.partial):
-        return _defined_in_cells((obj.func, obj.args, obj.keywords), depth - 1)
-    if isinstance(obj, (tuple, list, set, frozenset)):
+        items = [obj.func, *obj.args, *obj.keywords.values()]
+    elif isinstance(obj, (tuple, list, set, frozenset)):
         items = list(obj)
     elif isinstance(obj, dict):
         items = list(obj.values())
@@ -156,7 +216,7 @@ def _defined_in_cells(obj: Any, depth: int = 4) -> list:
         items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
     else:
         return []
-    return [found for item in items for found in _defined_in_cells(item, depth - 1)]
+    return [found for item in items for found in _walk_for_cells(item, depth - 1)]
 
 
 def _captured(code: list) -> list[tuple[str, Any]]:
@@ -197,10 +257,13 @@ def _cannot_travel(value: Any) -> str:
 def _child(conn, fn, args, kwargs) -> None:
     quiet_here()  # a bar in this process would reach the kernel's log, not the notebook
     try:  # in the child even KeyboardInterrupt or SystemExit comes back as an Outcome
-        if isinstance(fn, _ByValue):  # code from a notebook cell (``portable``)
-            fn, args, kwargs = fn.load()
         with quiet_libraries():  # import-time notices of bitsandbytes and DeepSpeed
-            outcome = capture(fn, args, kwargs, catch=BaseException)
+            if isinstance(fn, _ByValue):  # code from a notebook cell (``portable``)
+                outcome = capture(fn.load, catch=BaseException)
+                if outcome.error is None:
+                    fn, args, kwargs = outcome.value
+            if not isinstance(fn, _ByValue):
+                outcome = capture(fn, args, kwargs, catch=BaseException)
         if outcome.error is not None and forked_after_cuda():
             outcome.error = f"{FORKED_AFTER_CUDA} ({outcome.error})"
         conn.send(outcome)

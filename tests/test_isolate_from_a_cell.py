@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,17 @@ print(value, pid != os.getpid())
 def triple(x):
     return 30 * x
 print(call_isolated(experiment, 20).unwrap()[0])
+""",
+    # A checkpoint policy: a set of operators (which do not pickle) travels by their names.
+    "a policy keeping operators": """\
+from torch.utils.checkpoint import CheckpointPolicy
+keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+def policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+def decisions():
+    ops = (torch.ops.aten.mm.default, torch.ops.aten.silu.default)
+    return [policy(None, op).name for op in ops]
+print(call_isolated(decisions).unwrap())
 """,
     "a model is refused": """\
 model = torch.nn.Linear(4, 4)
@@ -114,6 +126,10 @@ def test_the_fresh_process_runs_the_cells_latest_definition(printed):
     assert printed["the latest definition"] == "70\n"
 
 
+def test_a_policy_over_operators_travels(printed):
+    assert printed["a policy keeping operators"] == "['MUST_SAVE', 'PREFER_RECOMPUTE']\n"
+
+
 @pytest.mark.parametrize(
     ("cell", "says"),
     [
@@ -154,7 +170,8 @@ def test_cell_code_is_found_inside_benches_partials_and_instances():
 
     in_cell.__module__ = "__main__"
     holder = type("Holder", (), {"__module__": "__main__"})
-    found = isolate._defined_in_cells(
-        [isolate.bench(in_cell), functools.partial(print, in_cell), {"k": holder()}]
-    )
-    assert found == [in_cell, in_cell, holder]
+    deep = ((((functools.partial(print, [in_cell]),),),),)  # as deep as a Bench of a study
+    held = [isolate.bench(in_cell), deep, {"k": holder()}]
+    assert isolate._defined_in_cells(held) == [in_cell, holder]
+    # Where something does not pickle (a lock), the walk of its containers finds them.
+    assert isolate._defined_in_cells([threading.Lock(), deep, holder()]) == [in_cell, holder]
