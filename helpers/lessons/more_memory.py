@@ -89,14 +89,18 @@ def offloaded_loss(device: torch.device) -> Callable:
     return offloaded(model_loss, device)
 
 
-def set_checkpointing(model: torch.nn.Module, mode: str) -> None:
-    """Switch ``model``'s layers to ``mode``'s checkpointing (none and offload: off)."""
+def set_checkpointing(
+    model: torch.nn.Module, mode: str, context_fn: Callable | None = None
+) -> None:
+    """Switch ``model``'s layers to ``mode``'s checkpointing (none and offload: off).
+    ``context_fn``: the selective setting's (the lesson's cell writes it; default: the policy
+    ``RunConfig(checkpoint_policy="selective")`` names, ``memory_savers.save_matmuls``)."""
     if mode not in CHECKPOINTING:
         raise ValueError(f"unknown setting {mode!r}: use one of {', '.join(CHECKPOINTING)}")
     if mode == "full":
         enable_checkpointing(model)
     elif mode == "selective":
-        enable_checkpointing(model, context_fn=selective_context_fn())
+        enable_checkpointing(model, context_fn=context_fn or selective_context_fn())
     elif is_checkpointing(model):
         disable_checkpointing(model)
 
@@ -105,14 +109,18 @@ def _loss_for(mode: str, device: torch.device) -> Callable:
     return offloaded_loss(device) if mode == "offload" else model_loss
 
 
-def checkpointing_step(cfg: RunConfig, mode: str) -> Callable[[], float]:
+def checkpointing_step(
+    cfg: RunConfig, mode: str, context_fn: Callable | None = None
+) -> Callable[[], float]:
     """A training step of ``cfg`` in setting ``mode`` (the contender ``isolate.bench`` times)."""
-    return _checkpointing_trainee(cfg, mode)[1]
+    return _checkpointing_trainee(cfg, mode, context_fn)[1]
 
 
-def _checkpointing_trainee(cfg: RunConfig, mode: str) -> tuple[Trainee, Callable[[], float]]:
+def _checkpointing_trainee(
+    cfg: RunConfig, mode: str, context_fn: Callable | None = None
+) -> tuple[Trainee, Callable[[], float]]:
     trainee = Trainee(replace(cfg, gradient_checkpointing=False))
-    set_checkpointing(trainee.model, mode)
+    set_checkpointing(trainee.model, mode, context_fn)
     loss_of = _loss_for(mode, trainee.device)
 
     def step() -> float:
@@ -158,9 +166,11 @@ class CheckpointingResult:
     packed: int = 0  # bytes autograd saved for backward that the forward made (see packed_bytes)
 
 
-def checkpointing_memory(cfg: RunConfig, mode: str) -> CheckpointingResult:
+def checkpointing_memory(
+    cfg: RunConfig, mode: str, context_fn: Callable | None = None
+) -> CheckpointingResult:
     """Per-category peaks of one tracked steady-state step of ``cfg`` in setting ``mode``."""
-    trainee, step = _checkpointing_trainee(cfg, mode)
+    trainee, step = _checkpointing_trainee(cfg, mode, context_fn)
     packed = packed_bytes(trainee.model, trainee.batch()) if mode == "offload" else 0
     for _ in range(max(1, cfg.warmup)):  # the first step creates the optimizer state
         step()
@@ -181,13 +191,13 @@ class GradientCheck:
     noise_floor: float
 
 
-def gradient_check(cfg: RunConfig) -> GradientCheck:
+def gradient_check(cfg: RunConfig, context_fn: Callable | None = None) -> GradientCheck:
     """The gradients of one batch in every setting, on one model switched between them."""
     trainee = Trainee(replace(cfg, gradient_checkpointing=False))
     model, batch = trainee.model, trainee.batch()
 
     def gradients(mode: str) -> tuple[float, dict]:
-        set_checkpointing(model, mode)
+        set_checkpointing(model, mode, context_fn)
         loss = _loss_for(mode, trainee.device)(model, batch)
         loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
@@ -253,6 +263,7 @@ class CheckpointingStudy:
     grads: GradientCheck  # every setting's gradients of one batch, in one more process
     moves: bool  # whether save_on_cpu takes saved tensors off this device
     why: str  # the sentence that says so
+    context_fn: Callable | None = None  # the selective setting's (None: save_matmuls)
 
     @property
     def activations(self) -> dict[str, int]:
@@ -282,7 +293,8 @@ class CheckpointingStudy:
         (rounds are added while any claim is undecided): a ``helpers.timing`` comparison."""
         n = len(CHECKPOINTING)
         return isolate.compare_benches(
-            {mode: isolate.bench(checkpointing_step, self.config, mode) for mode in CHECKPOINTING},
+            {mode: isolate.bench(checkpointing_step, self.config, mode, self.context_fn)
+             for mode in CHECKPOINTING},
             self.device, mode=isolate.mode_for([self.config] * n, self.device), per_round=3,
             claims=claims, rounds=rounds, max_rounds=max_rounds,
         )  # fmt: skip
@@ -294,13 +306,18 @@ class CheckpointingStudy:
         return checkpointing_figure(self.activations, ratios, packed=packed, title=title)
 
 
-def measure_checkpointing(cfg: RunConfig, device: torch.device) -> CheckpointingStudy:
-    """Each setting's memory and FLOPs in a fresh process, then every setting's gradients."""
+def measure_checkpointing(
+    cfg: RunConfig, device: torch.device, context_fn: Callable | None = None
+) -> CheckpointingStudy:
+    """Each setting's memory and FLOPs in a fresh process, then every setting's gradients.
+    ``context_fn``: the selective setting's, as the lesson's cell writes it (it travels to the
+    fresh processes by value: ``isolate.portable``); default ``memory_savers.save_matmuls``'."""
     moves, why = offload_moves(device)
     modes = progress(CHECKPOINTING, "four settings, a fresh process each")
-    results = {mode: call_isolated(checkpointing_memory, cfg, mode).unwrap() for mode in modes}
-    grads = call_isolated(gradient_check, cfg).unwrap()
-    return CheckpointingStudy(cfg, device, results, grads, moves, why)
+    results = {mode: call_isolated(checkpointing_memory, cfg, mode, context_fn).unwrap()
+               for mode in modes}  # fmt: skip
+    grads = call_isolated(gradient_check, cfg, context_fn).unwrap()
+    return CheckpointingStudy(cfg, device, results, grads, moves, why, context_fn)
 
 
 # --------------------------------------------------------------------------------------------
@@ -568,22 +585,25 @@ def torchao_missing() -> str:
     return ""
 
 
-def converted_layers(model: torch.nn.Module) -> list[LinearLayer]:
-    """Every Linear layer of ``model``, and whether torchao swaps it when converting a copy.
+def converted_layers(
+    model: torch.nn.Module, module_filter_fn: Callable = fp8_filter
+) -> list[LinearLayer]:
+    """Every Linear layer of ``model``, and whether torchao swaps it when converting a copy
+    with ``module_filter_fn`` (the lesson's cell writes it; default ``fp8_filter``).
 
-    Without torchao (an optional package) ``converted`` is ``fp8_filter``'s decision and
+    Without torchao (an optional package) ``converted`` is the filter's decision and
     ``auto`` is None: the conversion itself does not run.
     """
     shapes = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     if torchao_missing():
-        return [LinearLayer(n, m.in_features, m.out_features, fp8_filter(m, n), None)
+        return [LinearLayer(n, m.in_features, m.out_features, module_filter_fn(m, n), None)
                 for n, m in shapes.items()]  # fmt: skip
     # optional (lesson 16's fp8)
     from torchao.float8 import _auto_filter_for_recipe, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear  # optional (lesson 16's fp8)
 
     auto = _auto_filter_for_recipe("tensorwise", filter_fqns=["lm_head"])
-    converted = convert_to_float8_training(copy.deepcopy(model), module_filter_fn=fp8_filter)
+    converted = convert_to_float8_training(copy.deepcopy(model), module_filter_fn=module_filter_fn)
     swapped = {n for n, m in converted.named_modules() if isinstance(m, Float8Linear)}
     return [LinearLayer(n, m.in_features, m.out_features, n in swapped, auto(m, n))
             for n, m in shapes.items()]  # fmt: skip
@@ -611,11 +631,12 @@ class Fp8Layers:
         return fp8_figure(self.account(), title=title)
 
 
-def fp8_layers(cfg: RunConfig) -> Fp8Layers:
-    """The model of ``cfg`` (eager attention, so its matmuls are counted): layers and FLOPs."""
+def fp8_layers(cfg: RunConfig, module_filter_fn: Callable = fp8_filter) -> Fp8Layers:
+    """The model of ``cfg`` (eager attention, so its matmuls are counted): layers and FLOPs,
+    converted as ``module_filter_fn`` chooses."""
     trainee = Trainee(replace(cfg, attn="eager"))
     model, batch = trainee.model, trainee.batch()
-    layers = converted_layers(model)
+    layers = converted_layers(model, module_filter_fn)
     counter = FlopCounterMode(display=False)
     with counter:
         loss = model(**batch).loss
@@ -672,27 +693,33 @@ class Fp8Run:
     memory: dict = field(default_factory=dict)
 
 
-def fp8_trainee(cfg: RunConfig, fp8: bool, emulate: bool = False) -> Trainee:
-    """A Trainee of ``cfg`` whose converted Linear layers run in float8 when ``fp8``."""
+def fp8_trainee(
+    cfg: RunConfig, fp8: bool, emulate: bool = False, module_filter_fn: Callable = fp8_filter
+) -> Trainee:
+    """A Trainee of ``cfg`` whose Linear layers ``module_filter_fn`` chooses run in float8
+    when ``fp8``."""
     trainee = Trainee(cfg)
     if fp8:
         # optional (lesson 16's fp8)
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         config = Float8LinearConfig(emulate=emulate)
-        convert_to_float8_training(trainee.model, module_filter_fn=fp8_filter, config=config)
+        convert_to_float8_training(trainee.model, module_filter_fn=module_filter_fn, config=config)
         trainee.optimizer = make_optimizer(cfg.optimizer, trainee.model)
     return trainee
 
 
-def fp8_step(cfg: RunConfig, fp8: bool) -> Callable[[], float]:
+def fp8_step(
+    cfg: RunConfig, fp8: bool, module_filter_fn: Callable = fp8_filter
+) -> Callable[[], float]:
     """A training step with or without float8 Linear layers (the contender ``bench`` times)."""
-    return fp8_trainee(cfg, fp8).step
+    return fp8_trainee(cfg, fp8, module_filter_fn=module_filter_fn).step
 
 
-def fp8_run(cfg: RunConfig, fp8: bool, steps: int, emulate: bool = False) -> Fp8Run:
+def fp8_run(cfg: RunConfig, fp8: bool, steps: int, emulate: bool = False,
+            module_filter_fn: Callable = fp8_filter) -> Fp8Run:  # fmt: skip
     """``steps`` steps on the learnable task, the second one tracked by category."""
-    trainee = fp8_trainee(replace(cfg, data="markov"), fp8, emulate)
+    trainee = fp8_trainee(replace(cfg, data="markov"), fp8, emulate, module_filter_fn)
     out = Fp8Run(fp8, emulate and fp8)
     trainee.step()
     tracker = CategoryTracker(device=trainee.device)
@@ -716,21 +743,25 @@ class Fp8Runs:
     skipped: str = ""  # why the runs did not happen ("" when they did)
 
 
-def measure_fp8(cfg: RunConfig, steps: int, problem: str | None, device) -> Fp8Runs:
+def measure_fp8(cfg: RunConfig, steps: int, problem: str | None, device,
+                module_filter_fn: Callable = fp8_filter) -> Fp8Runs:  # fmt: skip
     """Short runs with and without float8, each in a fresh process, and on an fp8 GPU
     (``problem`` None) both steps timed in interleaved rounds. Elsewhere the float8 run is
-    torchao's emulation (fp8 casts, fp32 products) against fp32; without torchao, nothing."""
+    torchao's emulation (fp8 casts, fp32 products) against fp32; without torchao, nothing.
+    ``module_filter_fn``: which Linear layers go float8 (the lesson's cell writes it)."""
     reference = "fp32" if problem else "bf16"
     missing = torchao_missing()
     if missing:
         return Fp8Runs(reference, {}, skipped=missing)
     runs = {name: isolate.call_isolated(fp8_run, cfg, name != reference, steps,
-                                        emulate=problem is not None).unwrap()
+                                        emulate=problem is not None,
+                                        module_filter_fn=module_filter_fn).unwrap()
             for name in (reference, "fp8")}  # fmt: skip
     times = None
     if problem is None:
         times = isolate.compare_benches(
-            {name: isolate.bench(fp8_step, cfg, name == "fp8") for name in ("bf16", "fp8")},
+            {name: isolate.bench(fp8_step, cfg, name == "fp8", module_filter_fn)
+             for name in ("bf16", "fp8")},
             device, mode=isolate.mode_for([cfg] * 2, device), rounds=5, max_rounds=15,
         )  # fmt: skip
     return Fp8Runs(reference, runs, times)

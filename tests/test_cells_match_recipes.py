@@ -1,0 +1,114 @@
+"""A technique a lesson writes in a cell and a recipe marks (``# >>> ... # <<<``) is one code.
+
+The notebook cell is what the lesson measures (its fresh processes run the cell's own function:
+``helpers.isolate.portable``), the recipe is what a learner takes home, and the course's own
+setting (``RunConfig``, which the estimator and the planner read) names the same technique.
+The first test keeps the cell's lines and the recipe's marked lines equal; the others run the
+recipe's lines and compare what they decide with the course's setting.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.recipes import body_lines, marked
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+# (recipe, notebook): the first and last line of the code both show.
+SHARED = {
+    ("selective_checkpointing", "16_more_memory.ipynb"): (
+        "aten = torch.ops.aten",
+        "return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE",
+    ),
+    ("fp8", "16_more_memory.ipynb"): (
+        "def to_float8(module, name):",
+        'return name != "lm_head" and module.in_features % 16 == 0 and '
+        "module.out_features % 16 == 0",
+    ),
+}
+
+
+def _code(lines: list[str]) -> list[str]:
+    """Lines as code: dedented, without blank lines and comment-only lines."""
+    text = textwrap.dedent("\n".join(lines))
+    return [s.rstrip() for s in text.splitlines() if s.strip() and not s.strip().startswith("#")]
+
+
+def _span(lines: list[str], first: str, last: str) -> list[str] | None:
+    """The lines from ``first`` to ``last`` (compared stripped), as code; None if absent."""
+    stripped = [s.strip() for s in lines]
+    if first not in stripped:
+        return None
+    start = stripped.index(first)
+    if last not in stripped[start:]:
+        return None
+    return _code(lines[start : start + stripped[start:].index(last) + 1])
+
+
+def recipe_span(recipe: str, first: str, last: str) -> list[str]:
+    """The shared code as the recipe's marked blocks write it."""
+    lines = body_lines(recipe)
+    inside = [line for line, m in zip(lines, marked(lines), strict=True) if m]
+    found = _span(inside, first, last)
+    assert found, f"recipes/{recipe}.py marks no block from {first!r} to {last!r}"
+    return found
+
+
+def cell_span(notebook: str, first: str, last: str) -> list[str]:
+    """The shared code as a code cell of the notebook writes it."""
+    cells = json.loads((NOTEBOOKS / notebook).read_text())["cells"]
+    for cell in cells:
+        if cell["cell_type"] == "code":
+            found = _span("".join(cell["source"]).splitlines(), first, last)
+            if found:
+                return found
+    raise AssertionError(f"no code cell of {notebook} writes {first!r} ... {last!r}")
+
+
+@pytest.mark.parametrize(("recipe", "notebook"), list(SHARED), ids=[r for r, _ in SHARED])
+def test_the_cell_and_the_recipe_write_the_same_code(recipe, notebook):
+    first, last = SHARED[recipe, notebook]
+    assert cell_span(notebook, first, last) == recipe_span(recipe, first, last)
+
+
+def _run(recipe: str, notebook: str) -> dict:
+    """The recipe's shared lines, executed: the names they define."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    scope = {"torch": torch, "CheckpointPolicy": CheckpointPolicy}
+    exec("\n".join(recipe_span(recipe, *SHARED[recipe, notebook])), scope)
+    return scope
+
+
+def test_the_selective_policy_is_the_one_runconfig_names():
+    """``RunConfig(checkpoint_policy="selective")`` (the estimator's and the planner's setting)
+    keeps the operators the lesson's and the recipe's policy keep."""
+    from helpers.memory_savers import SAVED_OPS, save_matmuls
+
+    scope = _run("selective_checkpointing", "16_more_memory.ipynb")
+    assert scope["keep"] == SAVED_OPS
+    for op in [*SAVED_OPS, torch.ops.aten.silu.default, torch.ops.aten.mul.Tensor]:
+        assert scope["policy"](None, op) == save_matmuls(None, op), op
+
+
+def test_the_fp8_filter_is_the_one_the_course_converts_with():
+    """``more_memory.fp8_filter`` (the preflight's fp8 run) chooses the layers the lesson's
+    and the recipe's filter choose, on every Linear layer torchao asks about."""
+    from helpers.lessons.more_memory import fp8_filter
+
+    to_float8 = _run("fp8", "16_more_memory.ipynb")["to_float8"]
+    layers = {
+        "model.layers.0.mlp.up_proj": torch.nn.Linear(128, 352),
+        "model.layers.0.self_attn.q_proj": torch.nn.Linear(100, 128),
+        "model.layers.0.mlp.down_proj": torch.nn.Linear(352, 120),
+        "lm_head": torch.nn.Linear(128, 1024),
+    }
+    decided = {n: (to_float8(m, n), fp8_filter(m, n)) for n, m in layers.items()}
+    assert all(a == b for a, b in decided.values()), decided
+    assert [n for n, (a, _) in decided.items() if a] == ["model.layers.0.mlp.up_proj"]
