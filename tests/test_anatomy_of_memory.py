@@ -15,14 +15,17 @@ from helpers.lessons.anatomy_of_memory import (
     with_dropout,
 )
 from helpers.models import load_config
+from tests.cells import cell_function
 
 CPU = torch.device("cpu")
+# The saved-tensor hook lesson 01 writes in its cell (the code the lesson measures with).
+SAVED_INSIDE = cell_function("01_anatomy_of_memory.ipynb", "saved_inside")
 
 
 @pytest.mark.parametrize("dropout", [None, 0.0])
 def test_every_term_matches_what_autograd_saves(dropout):
     # Storages are numel x element size on the CPU: the account must hold to the byte.
-    account = layer_account(load_config("bert-tiny"), 2, 24, CPU, dropout=dropout)
+    account = layer_account(load_config("bert-tiny"), 2, 24, CPU, SAVED_INSIDE, dropout=dropout)
     table = account.table
     assert OTHER not in table.index, table
     assert (table["predicted B"] == table["measured B"]).all(), table
@@ -36,8 +39,8 @@ def test_every_term_matches_what_autograd_saves(dropout):
 
 def test_dropout_zero_drops_masks_and_dropped_probabilities():
     config = load_config("bert-tiny")
-    on = layer_account(config, 2, 24, CPU)
-    off = layer_account(config, 2, 24, CPU, dropout=0.0)
+    on = layer_account(config, 2, 24, CPU, SAVED_INSIDE)
+    off = layer_account(config, 2, 24, CPU, SAVED_INSIDE, dropout=0.0)
     assert on.measured - off.measured == dropout_bytes(config, 2, 24, "cpu") > 0
     assert len(off.saved) == len(on.saved) - 4  # two hidden masks, the attention mask, the drop
 
@@ -59,10 +62,10 @@ def test_dropout_copy_leaves_the_caller_config_alone():
 
 
 def test_table_for_reading_has_units_and_a_total():
-    table = account_table(layer_account(load_config("bert-tiny"), 1, 8, CPU))
+    table = account_table(layer_account(load_config("bert-tiny"), 1, 8, CPU, SAVED_INSIDE))
     assert "measured KiB" in table.columns and "total" in table.index
 
 
 def test_only_bert_is_accounted():
     with pytest.raises(ValueError, match="BERT"):
-        saved_in_first_layer(load_config("llama-tiny"), 1, 8, CPU)
+        saved_in_first_layer(load_config("llama-tiny"), 1, 8, CPU, SAVED_INSIDE)

@@ -6,13 +6,16 @@ course's BERT layer as it runs here (fp32, eager attention, the config's dropout
 16-bit element becomes e = 4 bytes, a dropout mask m bytes (a float tensor of the input's
 dtype on the CPU, a 1-byte bool on CUDA), the MLP's 4h becomes the config's intermediate size
 I, and LayerNorm's per-token mean and 1/std, which the paper leaves out, are added. It then
-measures what autograd really saves inside the first layer (``saved_in_first_layer``: a
-saved-tensor hook, each storage counted once, parameters left out) and sorts each storage into
-its term (``term_of``), so predicted and measured bytes sit side by side.
+measures what autograd really saves inside the first layer with the saved-tensor hook the
+lesson's cell writes (``saved_inside(model, layer, batch)``: each storage once, with the
+module that saved it, parameters left out; ``saved_in_first_layer`` runs it on a one-layer
+model) and sorts each storage into its term (``term_of``), so predicted and measured bytes sit
+side by side.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pandas as pd
@@ -86,41 +89,26 @@ def _first_layer_model(config, device: torch.device):
     return model.train()
 
 
+# The hook the lesson's cell writes: (model, layer, batch) -> [(module name, tensor)], every
+# storage autograd saves inside ``layer`` during ``model(**batch)``, once, weights left out.
+SavedInside = Callable[[torch.nn.Module, torch.nn.Module, dict], list[tuple[str, torch.Tensor]]]
+
+
 def saved_in_first_layer(
-    config, batch_size: int, seq_len: int, device: torch.device
+    config, batch_size: int, seq_len: int, device: torch.device, saved_inside: SavedInside
 ) -> list[Saved]:
-    """The storages autograd saves inside the first encoder layer's forward (weights left out)."""
+    """What ``saved_inside`` finds autograd saving in the first encoder layer's forward."""
     model = _first_layer_model(config, device)
-    layer = model.bert.encoder.layer[0]
-    names = {mod: name for name, mod in layer.named_modules()}
-    stack: list[str] = []
-    handles = []
-    for mod in layer.modules():  # a stack of the layer's modules running now
-        handles.append(mod.register_forward_pre_hook(lambda m, args: stack.append(names[m])))
-        handles.append(mod.register_forward_hook(lambda m, args, out: (stack.pop(), None)[1]))
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, Saved] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if stack and ptr not in weights and ptr not in seen:  # one storage, counted once
-            made_by = type(t.grad_fn).__name__ if t.grad_fn is not None else ""
-            dtype = str(t.dtype).removeprefix("torch.")
-            nbytes = t.untyped_storage().nbytes()
-            seen[ptr] = Saved(
-                stack[-1], tuple(t.shape), dtype, t.numel(), nbytes, t.requires_grad, made_by
-            )
-        return t
-
     batch = random_batch("classify", batch_size, seq_len, config.vocab_size)
     batch = {k: v.to(device) for k, v in batch.items()}
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(**batch)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return list(seen.values())
+    out = []
+    for module, t in saved_inside(model, model.bert.encoder.layer[0], batch):
+        made_by = type(t.grad_fn).__name__ if t.grad_fn is not None else ""
+        dtype = str(t.dtype).removeprefix("torch.")
+        nbytes = t.untyped_storage().nbytes()
+        out.append(Saved(module, tuple(t.shape), dtype, t.numel(), nbytes, t.requires_grad,
+                         made_by))  # fmt: skip
+    return out
 
 
 def term_of(saved: Saved, scores_numel: int) -> str:
@@ -204,12 +192,18 @@ class LayerAccount:
 
 
 def layer_account(
-    config, batch_size: int, seq_len: int, device: torch.device, dropout: float | None = None
+    config,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device,
+    saved_inside: SavedInside,
+    dropout: float | None = None,
 ) -> LayerAccount:
-    """Measure the first layer's saved tensors and set them against Korthikanti's terms."""
+    """Measure the first layer's saved tensors with the lesson's hook (``saved_inside``) and
+    set them against Korthikanti's terms."""
     config = with_dropout(config, dropout)
     device = torch.device(device)
-    saved = saved_in_first_layer(config, batch_size, seq_len, device)
+    saved = saved_in_first_layer(config, batch_size, seq_len, device, saved_inside)
     scores = config.num_attention_heads * seq_len * seq_len * batch_size
     measured: dict[str, int] = {}
     for t in saved:

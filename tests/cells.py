@@ -1,0 +1,27 @@
+"""A function a lesson writes in a notebook cell, for tests to run: the cell's own code.
+
+The lessons write their techniques in cells (the cell is what the lesson measures); a test
+that needs the technique takes it from the notebook instead of keeping a copy of its own.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def cell_function(notebook: str, name: str):
+    """The function ``name`` as the code cell of ``notebook`` that defines it writes it (the
+    cell runs alone, with torch imported: it must define the function and nothing else)."""
+    cells = json.loads((NOTEBOOKS / notebook).read_text())["cells"]
+    for cell in cells:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and source.startswith(f"def {name}("):
+            scope = {"torch": torch}
+            exec(compile(source, f"{notebook}: {name}", "exec"), scope)
+            return scope[name]
+    raise LookupError(f"no code cell of {notebook} starts with def {name}(")
