@@ -16,12 +16,12 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 def cell_function(notebook: str, name: str):
     """The function ``name`` as the code cell of ``notebook`` that defines it writes it (the
-    cell runs alone, with torch imported: it must define the function and nothing else)."""
+    cell runs alone, with torch imported: it defines things and computes nothing)."""
     cells = json.loads((NOTEBOOKS / notebook).read_text())["cells"]
     for cell in cells:
         source = "".join(cell["source"])
-        if cell["cell_type"] == "code" and source.startswith(f"def {name}("):
+        if cell["cell_type"] == "code" and f"\ndef {name}(" in f"\n{source}":
             scope = {"torch": torch}
             exec(compile(source, f"{notebook}: {name}", "exec"), scope)
             return scope[name]
-    raise LookupError(f"no code cell of {notebook} starts with def {name}(")
+    raise LookupError(f"no code cell of {notebook} defines {name}")

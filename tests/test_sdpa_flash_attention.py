@@ -12,7 +12,6 @@ from helpers.lessons.sdpa_flash_attention import (
     LayerMemoryResult,
     OutputErrorsResult,
     attend,
-    attention_ops,
     backend_problem,
     flash_attn_2_problem,
     layer_memories,
@@ -22,7 +21,11 @@ from helpers.lessons.sdpa_flash_attention import (
     power_law_exponent,
     power_law_figure,
 )
+from tests.cells import cell_function
 from tests.plot_checks import figure_problems
+
+# Lesson 10's kernel detector, as its cell writes it (a TorchDispatchMode noting operators).
+attention_ops = cell_function("10_sdpa_flash_attention.ipynb", "attention_ops")
 
 EAGER = ["manual", "hf-eager", "sdpa-math"]
 

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers.device import bf16_native, gpu_info, is_cuda
 from helpers.memory import CategoryTracker, allocator_baseline, allocator_growth
@@ -270,32 +269,6 @@ def layer_time_rounds(
         out[seq] = compare_calls(calls, device, warmup=warmup, rounds=rounds,
                                  claims=claims if seq == seqs[-1] else ())  # fmt: skip
     return out
-
-
-class _OpRecorder(TorchDispatchMode):
-    """Records the name of every aten operator that reaches the dispatcher."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-def attention_ops(fn) -> list[str]:
-    """The attention-related aten operators ``fn()`` runs, in first-call order (no repeats).
-
-    ``scaled_dot_product_attention`` is a front door: the dispatcher sees the kernel it
-    chose (``_scaled_dot_product_flash_attention_for_cpu``, ``_efficient_attention_forward``
-    ...) or, for the math backend, plain matmuls and a softmax.
-    """
-    recorder = _OpRecorder()
-    with recorder:
-        fn()
-    wanted = ("attention", "softmax", "bmm", "matmul")
-    return list(dict.fromkeys(n for n in recorder.names if any(w in n for w in wanted)))
 
 
 @dataclass
