@@ -253,6 +253,8 @@ def test_notebook_is_committed_clean(path: Path):
     ids = [cell.get("id") for cell in raw["cells"]]
     duplicates = sorted({i for i in ids if i is not None and ids.count(i) > 1})
     assert not duplicates, f"duplicate cell ids {duplicates}: {fix}"
+    missing = [i for i, cell_id in enumerate(ids) if not cell_id]  # nbformat only warns
+    assert not missing, f"cells {missing} have no id: {fix}"
     for index, cell in enumerate(raw["cells"]):
         where = f"cell {index} ({cell['cell_type']})"
         if cell["cell_type"] == "code":
