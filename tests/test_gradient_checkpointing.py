@@ -26,7 +26,11 @@ from helpers.lessons.gradient_checkpointing import (
 )
 from helpers.models import build_model, load_config
 from helpers.train import RunConfig, measure
+from tests.cells import cell_function
 from tests.plot_checks import figure_problems
+
+# Lesson 04's segmented step, as its cell writes it.
+SEGMENTED_STEP = cell_function("04_gradient_checkpointing.ipynb", "segmented_step")
 
 
 def _grads(segments: int, dropout: float):
@@ -55,7 +59,7 @@ def test_checkpointed_stack_recomputes_and_gives_the_same_gradients(dropout):
 @pytest.mark.parametrize("segments", [1, 2, 4])
 def test_stack_memory_matches_the_arithmetic(segments):
     n, width, rows = 4, 32, 64
-    measured = stack_step_memory(n, width, rows, segments).activations
+    measured = stack_step_memory(n, width, rows, segments, SEGMENTED_STEP).activations
     assert measured == pytest.approx(predicted_activation_bytes(n, segments, rows, width), rel=0.02)
 
 

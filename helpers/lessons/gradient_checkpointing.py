@@ -6,12 +6,13 @@ Activation (gradient) checkpointing: a plain-PyTorch block stack, its memory, pa
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 from matplotlib.figure import Figure
 from torch import nn
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+from torch.utils.checkpoint import checkpoint
 
 from helpers.isolate import call_isolated
 from helpers.memory import CategoryPeaks, CategoryTracker
@@ -80,34 +81,42 @@ def optimal_segments(n_blocks: int, rows: int, width: int, expansion: int = 1) -
     return (n_blocks * (c + inside) / c) ** 0.5
 
 
-def stack_step_memory(
-    n_blocks: int, width: int, rows: int, segments: int, expansion: int = 1, seed: int = 0
-) -> CategoryPeaks:
-    """Exact per-category peaks (bytes) of forward + backward through a Block stack.
+# The step the lesson's cell writes: (stack, x, segments) runs forward and backward through
+# ``stack`` in that many ``checkpoint_sequential`` segments (1: no checkpointing).
+SegmentedStep = Callable[[nn.Sequential, torch.Tensor, int], None]
 
-    ``segments`` = 1 stores everything (no checkpointing); otherwise
-    ``checkpoint_sequential`` splits the stack into that many segments, keeps only each
-    segment's input, and recomputes one segment at a time during the backward.
-    """
+
+def stack_step_memory(
+    n_blocks: int,
+    width: int,
+    rows: int,
+    segments: int,
+    step: SegmentedStep,
+    expansion: int = 1,
+    seed: int = 0,
+) -> CategoryPeaks:
+    """Exact per-category peaks (bytes) of ``step``, forward + backward through a Block stack
+    in ``segments`` segments, tracked."""
     stack = block_stack(n_blocks, width, expansion, seed=seed)
     x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed))
     tracker = CategoryTracker()
     tracker.track_external(stack)
     with tracker:
-        if segments == 1:
-            y = stack(x)
-        else:
-            y = checkpoint_sequential(stack, segments, x, use_reentrant=False)
-        y.square().mean().backward()
-        del y
+        step(stack, x, segments)
     return tracker.peaks()
 
 
 def segment_sweep(
-    n_blocks: int, width: int, rows: int, segment_counts: list[int], expansion: int = 1
+    n_blocks: int,
+    width: int,
+    rows: int,
+    segment_counts: list[int],
+    step: SegmentedStep,
+    expansion: int = 1,
 ) -> dict[int, CategoryPeaks]:
-    """``stack_step_memory`` for each segment count: {segments: its per-category peaks}."""
-    return {s: stack_step_memory(n_blocks, width, rows, s, expansion) for s in segment_counts}
+    """``stack_step_memory`` of the lesson's ``step`` for each segment count: {segments: its
+    per-category peaks}."""
+    return {s: stack_step_memory(n_blocks, width, rows, s, step, expansion) for s in segment_counts}
 
 
 def partial_checkpoint_memory(
