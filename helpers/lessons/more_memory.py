@@ -311,7 +311,7 @@ def measure_checkpointing(
 ) -> CheckpointingStudy:
     """Each setting's memory and FLOPs in a fresh process, then every setting's gradients.
     ``context_fn``: the selective setting's, as the lesson's cell writes it (it travels to the
-    fresh processes by value: ``isolate.portable``); default ``memory_savers.save_matmuls``'."""
+    fresh processes by value: ``isolate.portable``); default: ``memory_savers.save_matmuls``."""
     moves, why = offload_moves(device)
     modes = progress(CHECKPOINTING, "four settings, a fresh process each")
     results = {mode: call_isolated(checkpointing_memory, cfg, mode, context_fn).unwrap()
