@@ -258,17 +258,19 @@ def _child(conn, fn, args, kwargs) -> None:
     quiet_here()  # a bar in this process would reach the kernel's log, not the notebook
     try:  # in the child even KeyboardInterrupt or SystemExit comes back as an Outcome
         with quiet_libraries():  # import-time notices of bitsandbytes and DeepSpeed
-            if isinstance(fn, _ByValue):  # code from a notebook cell (``portable``)
-                outcome = capture(fn.load, catch=BaseException)
-                if outcome.error is None:
-                    fn, args, kwargs = outcome.value
-            if not isinstance(fn, _ByValue):
-                outcome = capture(fn, args, kwargs, catch=BaseException)
+            outcome = capture(_call_sent, (fn, args, kwargs), catch=BaseException)
         if outcome.error is not None and forked_after_cuda():
             outcome.error = f"{FORKED_AFTER_CUDA} ({outcome.error})"
         conn.send(outcome)
     finally:
         conn.close()
+
+
+def _call_sent(fn, args, kwargs) -> Any:
+    """``fn(*args, **kwargs)``, after unpacking code a notebook cell sent (``portable``)."""
+    if isinstance(fn, _ByValue):
+        fn, args, kwargs = fn.load()
+    return fn(*args, **kwargs)
 
 
 def _first_line(err: BaseException) -> str:

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from helpers.recipes import body_lines, marked
-
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+from tests.cells import NOTEBOOKS
 
 # (recipe, notebook): the first and last line of the code both show.
 SHARED = {
