@@ -3,8 +3,9 @@
 The package is built in floors; each module imports only its own floor and the ones below,
 at the top of the file (tests/test_layers.py keeps it so, imports inside functions counted):
 
-1. the small core: ``names`` (the course's names and units, defined once), ``quiet``,
-   ``progress``, ``compat`` (the tested version range and its API differences), ``device``
+1. the small core: ``names`` (the course's names and units, defined once), ``syllabus``
+   (the lessons, listed once), ``quiet``, ``progress``, ``compat`` (the tested version range
+   and its API differences), ``device``
    (every torch.cuda, torch.accelerator and NVML call), ``hardware`` (with the reference
    cards), ``data``, ``models`` (configs, bundled or not), ``optimizer_state``, ``memory`` (the
    per-category tracker), ``memory_savers``, ``timing``, ``forkserver`` (the process every

@@ -44,6 +44,7 @@ FLOORS = {
     "helpers.quiet": CORE,
     "helpers.recipes": CORE,
     "helpers.results": CORE,
+    "helpers.syllabus": CORE,
     "helpers.timing": CORE,
     "helpers.train": CORE,
     # The estimator predicts only: it never runs an experiment.

@@ -350,17 +350,6 @@ def test_makefile_has_the_documented_targets():
         assert target in targets, f"Makefile has no {target!r} target"
 
 
-def test_every_lesson_with_speed_claims_runs_under_the_load_test():
-    # make load-test is the evidence that a lesson's speed claims survive a busy machine: a
-    # lesson that checks speed claims and is missing from its list would never be tried.
-    makefile = (ROOT / "Makefile").read_text()
-    listed = makefile.split("TIMING_NOTEBOOKS :=", 1)[1].split(")", 1)[0]
-    with_claims = {nb.name for nb in NOTEBOOKS if "check_claims(" in nb.read_text()}
-    assert with_claims, "no notebook checks speed claims: the test looks for the wrong call"
-    missing = {name for name in with_claims if name not in listed}
-    assert not missing, f"add to TIMING_NOTEBOOKS in the Makefile: {sorted(missing)}"
-
-
 # --------------------------------------------------------------------------------------------
 # (e) The package's shape: short functions, one opening line per lesson
 

@@ -13,21 +13,9 @@ from dataclasses import dataclass
 
 from helpers.lessons.putting_it_together import SEED_RECIPES
 from helpers.results import Record
+from helpers.syllabus import lesson_entry
 
 GUIDE = "https://huggingface.co/docs/transformers/perf_train_gpu_one"
-NOTEBOOKS = {
-    "02": "02_batch_size.ipynb",
-    "04": "04_gradient_checkpointing.ipynb",
-    "06": "06_optimizers.ipynb",
-    "08": "08_deepspeed_zero.ipynb",
-    "10": "10_sdpa_flash_attention.ipynb",
-    "11": "11_data_loading.ipynb",
-    "12": "12_torch_compile.ipynb",
-    "13": "13_peft_lora.ipynb",
-    "14": "14_putting_it_together.ipynb",
-    "16": "16_more_memory.ipynb",
-    "17": "17_beyond_one_gpu.ipynb",
-}
 BEYOND = "not in the guide"  # lessons 16-17: techniques the single-GPU guide does not cover
 TUTORIAL = (
     "https://docs.pytorch.org/tutorials/intermediate/optimizer_step_in_backward_tutorial.html"
@@ -151,7 +139,7 @@ def markdown(records: list[Record], notebooks: str = "notebooks") -> str:
         lines.append(
             f"| [{m.name}]({m.link}) | {m.speed} | {m.memory} | {_x(r.speed_ratio, r.ran)} "
             f"| {_x(r.memory_ratio, r.ran)} | {v100} "
-            f"| [{m.lesson}]({notebooks}/{NOTEBOOKS[m.lesson]}) |"
+            f"| [{m.lesson}]({notebooks}/{lesson_entry(m.lesson).notebook}) |"
         )
     return "\n".join(lines)
 

@@ -61,15 +61,13 @@ from helpers.names import GiB, MiB, human_bytes
 from helpers.recipes import recipe_names
 from helpers.results import Record
 from helpers.scale import get_scale
+from helpers.syllabus import by_gpu_rank
 from helpers.train import RunConfig, measure
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: notebooks/, tools/, reports/
 REPORTS = ROOT / "reports" / "gpu"  # committed reports: where a GPU run writes by default
 CATEGORIES = ("params", "gradients", "optimizer_state", "activations", "temporaries")
-# Full-scale lessons in order of value: the capstone, then the memory lessons whose numbers
-# the estimator predicts, then speed; earlier reports' coverage moves lessons to the end.
-FULL_ORDER = ("14", "00", "01", "05", "02", "03", "04", "06", "15", "16", "13", "10", "07",
-              "09", "12", "11", "08", "17")  # fmt: skip
+FULL_ORDER = by_gpu_rank()  # full-scale lessons in order of value (helpers/syllabus.py)
 REHEARSAL_LESSONS = ("00", "09")  # on a CPU: a short subset (about half a minute)
 PARALLEL = {"tiny": 3, "full": 2}  # notebooks at once on one GPU (a CPU: ``concurrency``)
 CAPSTONE = {r.label for r in SEED_RECIPES}  # part b measures these alone (part d: their speed)
