@@ -7,6 +7,7 @@ that needs the technique takes it from the notebook instead of keeping a copy of
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -14,14 +15,15 @@ import torch
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
-def cell_function(notebook: str, name: str):
-    """The function ``name`` as the code cell of ``notebook`` that defines it writes it (the
-    cell runs alone, with torch imported: it defines things and computes nothing)."""
+def cell_function(notebook: str, name: str, **scope):
+    """The function or class ``name`` as the code cell of ``notebook`` that defines it writes
+    it. The cell runs alone, with torch and ``scope`` (what the notebook's earlier cells give
+    it) as its globals: it defines things and computes nothing."""
     cells = json.loads((NOTEBOOKS / notebook).read_text())["cells"]
     for cell in cells:
         source = "".join(cell["source"])
-        if cell["cell_type"] == "code" and f"\ndef {name}(" in f"\n{source}":
-            scope = {"torch": torch}
+        if cell["cell_type"] == "code" and re.search(rf"^(def|class) {name}\b", source, re.M):
+            scope = {"torch": torch, **scope}
             exec(compile(source, f"{notebook}: {name}", "exec"), scope)
             return scope[name]
     raise LookupError(f"no code cell of {notebook} defines {name}")

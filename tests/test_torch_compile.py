@@ -7,16 +7,19 @@ and aot_eager.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import re
+
 import pytest
 import torch
 
 from helpers.lessons import torch_compile as compiling
 from helpers.lessons.torch_compile import (
-    GraphRecorder,
     StepProfileConfig,
     break_even_figure,
     break_even_steps,
-    count_compiles,
     dynamo_summary,
     eager_traffic,
     explain,
@@ -31,6 +34,14 @@ from helpers.lessons.torch_compile import (
     short_reason,
     step_profile,
 )
+from tests.cells import cell_function
+
+NOTEBOOK = "12_torch_compile.ipynb"
+GraphRecorder = cell_function(NOTEBOOK, "GraphRecorder")  # the lesson's cells: what it runs
+count_compiles = cell_function(
+    NOTEBOOK, "count_compiles", GraphRecorder=GraphRecorder,
+    contextlib=contextlib, logging=logging, os=os, re=re,
+)  # fmt: skip
 
 
 def test_gelu_new_is_transformers_new_gelu_bit_for_bit():
@@ -93,13 +104,23 @@ def test_count_compiles_default_fixed_and_marked_dynamic_shapes():
     marked_x = calls[0][0].clone()
     torch._dynamo.mark_dynamic(marked_x, 1)
     marked = count_compiles(block, [(marked_x,), *calls[1:]])
-    assert [len(c.graphs) for c in (default, static, marked)] == [2, 3, 1]
-    assert all("size mismatch" in r for r in default.recompile_reasons + static.recompile_reasons)
+    # The recorder's graphs and the log's graph_code records agree.
+    assert [len(g) for g, _ in (default, static, marked)] == [2, 3, 1]
+    assert [len(log.graphs) for _, log in (default, static, marked)] == [2, 3, 1]
+    failed = default[1].guard_failures() + static[1].guard_failures()
+    assert len(failed) == 1 + 3 and all("size mismatch" in r for r in failed), failed
+    assert marked[1].recompiles == []
     # Parameters are left out; the second default graph has a symbolic sequence length.
-    assert input_shapes(default.graphs[0]) == [(2, 4, 8)]
-    shape = input_shapes(default.graphs[1])[0]
+    assert input_shapes(default[0][0]) == [(2, 4, 8)]
+    shape = input_shapes(default[0][1])[0]
     assert shape[0] == 2 and shape[2] == 8 and str(shape[1]).startswith("s")
-    assert default.graph_breaks == 0
+    assert default[1].graph_breaks == []
+
+
+def test_count_compiles_logs_each_graph_break():
+    graphs, log = count_compiles(_breaks_once, [(torch.ones(3),)])
+    assert len(graphs) == len(log.graphs) == 2
+    assert len(log.graph_breaks) == 1 and "item" in log.graph_breaks[0], log.graph_breaks
 
 
 def test_count_compiles_finds_a_guard_on_python_state():
@@ -113,9 +134,18 @@ def test_count_compiles_finds_a_guard_on_python_state():
                 self.kind = "set"  # the first call changes what the guard checked
             return x + 1
 
-    seen = count_compiles(Flagged(), [(torch.ones(2),), (torch.ones(2),), (torch.ones(2),)])
-    assert len(seen.graphs) == 2
-    assert any("kind" in r for r in seen.recompile_reasons)
+    graphs, log = count_compiles(Flagged(), [(torch.ones(2),), (torch.ones(2),), (torch.ones(2),)])
+    assert len(graphs) == 2 and len(log.recompiles) == 1
+    assert "kind" in log.guard_failures()[0], log.guard_failures()
+
+
+def test_dynamo_log_lets_go_of_the_logger_and_refuses_under_torch_logs(monkeypatch):
+    dynamo = logging.getLogger("torch._dynamo")
+    count_compiles(_breaks_once, [(torch.ones(3),)])
+    assert dynamo.handlers and not [h for h in dynamo.handlers if type(h).__name__ == "DynamoLog"]
+    monkeypatch.setenv("TORCH_LOGS", "dynamo")
+    with pytest.raises(RuntimeError, match="TORCH_LOGS is set"):
+        count_compiles(_breaks_once, [(torch.ones(3),)])
 
 
 def test_dynamo_summary_counts_since_reset():

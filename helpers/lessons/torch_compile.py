@@ -48,17 +48,6 @@ from helpers.train import train_step  # at call time: importing transformers cos
 # Seeing what dynamo captures
 
 
-class GraphRecorder:
-    """A torch.compile backend that keeps every FX graph dynamo hands it and runs it as is."""
-
-    def __init__(self) -> None:
-        self.graphs: list[torch.fx.GraphModule] = []
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs) -> Callable:
-        self.graphs.append(gm)
-        return gm.forward
-
-
 def graph_ops(gm: torch.fx.GraphModule) -> list[str]:
     """Names of the operations in a captured graph, in order (inputs and outputs left out)."""
     ops = []
@@ -135,31 +124,6 @@ def dynamo_summary() -> DynamoSummaryResult:
         graph_breaks=sum(counters["graph_break"].values()),
         recompile_reasons=[short_reason(r) for rs in guard_failures.values() for r in rs],
     )
-
-
-@dataclass
-class CompilesResult:
-    """What dynamo did over a sequence of calls: the graphs, breaks and recompile reasons."""
-
-    graphs: list[torch.fx.GraphModule] = field(default_factory=list)  # as the backend got them
-    graph_breaks: int = 0  # graph breaks met while capturing
-    recompile_reasons: list[str] = field(default_factory=list)  # one per failed guard
-
-
-def count_compiles(fn: Callable, calls: Sequence[tuple | dict], **compile_kwargs) -> CompilesResult:
-    """Compile ``fn`` with a GraphRecorder and call it once per entry of ``calls``.
-
-    An entry is a tuple of positional arguments or a dict of keyword arguments.
-    """
-    reset_dynamo()
-    recorder = GraphRecorder()
-    compiled = torch.compile(fn, backend=recorder, **compile_kwargs)
-    with quiet_dynamo():
-        for args in calls:
-            compiled(**args) if isinstance(args, dict) else compiled(*args)
-    summary = dynamo_summary()
-    reset_dynamo()
-    return CompilesResult(recorder.graphs, summary.graph_breaks, summary.recompile_reasons)
 
 
 # -------------------------------------------------------------------------------------------
