@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from accelerate import init_empty_weights
@@ -10,15 +12,38 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 from helpers.lessons.mixture_of_experts import (
     block_io,
-    expert_shares,
     ffn_params,
     pair_for,
     router_heatmap,
-    router_load,
     train_flops_per_token,
 )
 from helpers.models import build_model, load_config
+from tests.cells import cell_function
 from tests.plot_checks import figure_problems
+
+NOTEBOOK = "09_mixture_of_experts.ipynb"
+router_load = cell_function(NOTEBOOK, "router_load")  # the lesson's cells: what it runs
+moe_by_hand = cell_function(NOTEBOOK, "moe_by_hand")
+
+
+def _routed(name: str, top_k: int | None = None):
+    """The bundled sparse model ``name`` (top-k overridden if given) and one batch of 2 x 16."""
+    config = load_config(name)
+    if top_k is not None:
+        config.num_experts_per_tok = top_k
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    return build_model(config).eval(), ids
+
+
+class _Logits:
+    """A stand-in for a Mixtral whose forward returns the given router logits."""
+
+    def __init__(self, logits: torch.Tensor, k: int):
+        self.config = SimpleNamespace(num_local_experts=logits.shape[-1], num_experts_per_tok=k)
+        self.logits = logits
+
+    def __call__(self, input_ids, output_router_logits):
+        return SimpleNamespace(router_logits=(self.logits,))
 
 
 def test_pair_differs_only_in_the_ffn():
@@ -40,16 +65,16 @@ def test_flops_per_token_equal_up_to_the_router():
 
 
 def test_router_shares_sum_to_one_per_layer():
-    load = router_load(pair_for("tiny")[0], 2, 16)
-    assert len(load.shares) == 2 and load.tokens == 32
-    for layer in load.shares:
+    shares, aux_loss, logit_rms = router_load(*_routed(pair_for("tiny")[0]))
+    assert len(shares) == 2
+    for layer in shares:
         assert abs(sum(layer) - 1) < 1e-9 and all(s >= 0 for s in layer)
-    assert torch.isfinite(torch.tensor(load.aux_loss))
+    assert torch.isfinite(torch.tensor(aux_loss))
     # A random router (std initializer_range) on RMS-normalised hidden states of unit scale:
     # logits of size ~ 0.02 * sqrt(h), not 0.02.
     config = load_config(pair_for("tiny")[0])
     expected = config.initializer_range * config.hidden_size**0.5
-    assert 0.8 < load.logit_rms / expected < 1.2, (load.logit_rms, expected)
+    assert 0.8 < logit_rms / expected < 1.2, (logit_rms, expected)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
@@ -60,10 +85,11 @@ def test_aux_loss_fractions_sum_to_k_and_the_lesson_shares_to_one(k):
     assert load_balancing_loss_func((torch.zeros(32, n_exp),), n_exp, k).item() == pytest.approx(k)
     # The lesson's shares are f_e / k: they sum to 1 and rebuild transformers' loss exactly.
     logits = torch.randn(64, n_exp, generator=torch.Generator().manual_seed(k))
-    shares = expert_shares(logits, k)
+    (shares,), aux_loss, _ = router_load(_Logits(logits, k), None)
     assert sum(shares) == pytest.approx(1)
     probs = logits.softmax(-1).mean(0).tolist()  # P_e: each expert's mean probability
     by_hand = n_exp * sum(k * s * p for s, p in zip(shares, probs, strict=True))
+    assert aux_loss == pytest.approx(by_hand, rel=1e-5)
     assert load_balancing_loss_func((logits,), n_exp, k).item() == pytest.approx(by_hand, rel=1e-5)
 
 
@@ -75,23 +101,11 @@ def test_top_k_override_scales_the_experts_flops():
     assert one.router_per_token == two.router_per_token > 0
     experts = [r.ffn_per_token - r.router_per_token for r in (one, two)]
     assert experts[1] == 2 * experts[0] > 0
-    load = router_load(sparse, 2, 16, top_k=1)
-    assert load.top_k == 1 and load.balanced_aux_loss == 1.0
-
-
-def _block_by_hand(block, tokens, k, renormalise=True):
-    """The lesson's route -> dispatch -> combine (notebook 09, section 2)."""
-    with torch.no_grad():
-        probs = (tokens @ block.gate.weight.T).softmax(-1)
-        top_p, top_e = probs.topk(k, dim=-1)
-        weights = top_p / top_p.sum(-1, keepdim=True) if renormalise else top_p
-        out = torch.zeros_like(tokens)
-        for e in range(block.experts.num_experts):
-            tok, slot = (top_e == e).nonzero(as_tuple=True)
-            gate, up = (tokens[tok] @ block.experts.gate_up_proj[e].T).chunk(2, dim=-1)
-            part = (torch.nn.functional.silu(gate) * up) @ block.experts.down_proj[e].T
-            out.index_add_(0, tok, weights[tok, slot, None] * part)
-    return out
+    shares, aux_loss, _ = router_load(*_routed(sparse, top_k=1))
+    assert all(abs(sum(layer) - 1) < 1e-9 for layer in shares)
+    # At init the loss sits near its uniform value k: 1 here, not the config's 2 (32 tokens:
+    # a few per cent of noise).
+    assert abs(aux_loss - 1) < 0.25, aux_loss
 
 
 def test_block_by_hand_matches_the_library_block():
@@ -105,13 +119,14 @@ def test_block_by_hand_matches_the_library_block():
     tokens, y = x.reshape(-1, x.shape[-1]), y.reshape(-1, x.shape[-1])
     # Same float32 operations, perhaps summed in another order: 16 eps x max|y| (see lesson).
     tol = 16 * torch.finfo(torch.float32).eps * y.abs().max().item()
-    assert (_block_by_hand(block, tokens, k) - y).abs().max().item() <= tol
+    assert (moe_by_hand(block, tokens, k)[0] - y).abs().max().item() <= tol
     # Without renormalising the top-k weights (they sum to ~k/E at init) it is far off.
-    assert (_block_by_hand(block, tokens, k, renormalise=False) - y).abs().max().item() > 100 * tol
+    wrong = moe_by_hand(block, tokens, k, renormalise=False)[0]
+    assert (wrong - y).abs().max().item() > 100 * tol
 
 
 def test_router_heatmap_is_readable_tiny_and_full():
-    tiny = router_load(pair_for("tiny")[0], 2, 16).shares
+    tiny = router_load(*_routed(pair_for("tiny")[0]))[0]
     assert figure_problems(router_heatmap(tiny, 2)) == []
     full = [[(0.5 + ((i * 7 + e * 3) % 8) / 8) / 8 for e in range(8)] for i in range(12)]
     fig = router_heatmap(full, 2)

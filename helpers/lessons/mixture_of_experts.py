@@ -1,4 +1,7 @@
-"""Lesson 09, sections 1-4 (notebooks/09_mixture_of_experts.ipynb).
+"""Lesson 09, sections 1-5 (notebooks/09_mixture_of_experts.ipynb): counts, FLOPs, figures.
+
+The block by hand and the router's load (with transformers' auxiliary loss) are the
+notebook's own cells.
 
 Mixture of experts: a sparse Mixtral-style model next to the dense model of equal active width.
 
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from helpers.models import build_model, load_config
+from helpers.models import load_config
 
 PAIRS = {
     "tiny": ("mixtral-tiny", "mixtral-tiny-dense"),
@@ -84,60 +87,6 @@ def train_flops_per_token(
     )
     tokens = batch * seq_len
     return FlopCountResult(counter.get_total_flops() / tokens, ffn / tokens, router / tokens)
-
-
-@dataclass
-class RouterLoadResult:
-    """Share of top-k assignments each expert received, per layer, and the aux loss.
-
-    A share is f_e / k, with f_e the fraction of tokens routed to expert e as transformers'
-    ``load_balancing_loss_func`` counts it (assignments over tokens): the shares of a layer
-    sum to 1, the f_e to k.
-    """
-
-    shares: list[list[float]]  # [layer][expert], each layer sums to 1
-    aux_loss: float  # Switch-Transformer balancing loss as transformers computes it
-    balanced_aux_loss: float  # its value under perfectly uniform routing
-    top_k: int  # experts each token is routed to
-    tokens: int  # tokens routed (batch x sequence)
-    logit_rms: float  # root mean square of the router logits, all layers: ~ init std * sqrt(h)
-
-
-def expert_shares(logits: torch.Tensor, top_k: int) -> list[float]:
-    """Each expert's share of one layer's top-k assignments, from its (tokens, experts) logits.
-
-    The shares sum to 1; times ``top_k`` they are the f_e of the auxiliary loss, the fraction
-    of tokens that have expert e among their k.
-    """
-    chosen = torch.topk(logits.softmax(-1), top_k, dim=-1).indices  # (tokens, k)
-    counts = torch.bincount(chosen.reshape(-1), minlength=logits.shape[-1]).double()
-    return (counts / counts.sum()).tolist()
-
-
-def router_load(
-    name: str, batch: int, seq_len: int, seed: int = 0, top_k: int | None = None
-) -> RouterLoadResult:
-    """Route one batch of random tokens through a sparse model and count assignments.
-
-    ``top_k`` overrides the experts each token is routed to.
-    """
-    # the modeling code: seconds, for the router calls only
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
-    config = _config(name, top_k)
-    model = build_model(config, seed=seed).eval()
-    ids = torch.randint(
-        0, config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed)
-    )
-    with torch.no_grad():
-        out = model(input_ids=ids, output_router_logits=True)
-    k, n_exp = config.num_experts_per_tok, config.num_local_experts
-    shares = [expert_shares(logits, k) for logits in out.router_logits]  # (tokens, E) per layer
-    aux = load_balancing_loss_func(out.router_logits, n_exp, k)
-    # Uniform routing: each expert gets k/E of the tokens and 1/E of the probability, so the
-    # loss E * sum_e f_e * P_e equals E * E * (k/E) * (1/E) = k.
-    rms = torch.cat(out.router_logits).square().mean().sqrt()
-    return RouterLoadResult(shares, float(aux), float(k), k, batch * seq_len, float(rms))
 
 
 def block_io(model: torch.nn.Module, layer: int, input_ids: torch.Tensor):
