@@ -17,6 +17,7 @@ from helpers.lessons.peft_lora import (
 from helpers.memory import CategoryTracker
 from helpers.models import apply_lora, build_model, load_config
 from helpers.train import RunConfig, Trainee, measure
+from tests.cells import cell_function
 
 
 @pytest.mark.parametrize("targets", ["", "all-linear", "q_proj,k_proj,v_proj,o_proj"])
@@ -156,3 +157,29 @@ def test_proportion_figure_is_readable(trainable):
         title="Gradients and optimizer state follow the trainable parameters",
     )
     assert figure_problems(fig) == []
+
+
+@pytest.mark.parametrize(("targets", "names"), [
+    ("q_proj,v_proj", ["q_proj", "v_proj"]),
+    ("all-linear", "all-linear"),
+])  # fmt: skip
+def test_run_config_lora_is_the_lessons_add_lora(targets, names):
+    """RunConfig(lora_r=...) (helpers.models.apply_lora) adapts a model exactly as lesson 13's
+    add_lora cell does: the same LoraConfig, the same trainable tensors, equal from one seed."""
+    from peft import LoraConfig, get_peft_model
+
+    add_lora = cell_function(
+        "13_peft_lora.ipynb", "add_lora", LoraConfig=LoraConfig, get_peft_model=get_peft_model
+    )
+    config = load_config("llama-tiny")
+    torch.manual_seed(1)  # peft draws A at random: the same seed for both
+    cell = add_lora(build_model(config), 8, names)
+    torch.manual_seed(1)
+    ours = apply_lora(build_model(config), 8, targets)
+    a, b = cell.peft_config["default"], ours.peft_config["default"]
+    for field in ("r", "lora_alpha", "lora_dropout", "target_modules", "task_type", "bias"):
+        assert getattr(a, field) == getattr(b, field), field
+    shapes = {n: p.shape for n, p in cell.named_parameters() if p.requires_grad}
+    assert shapes == {n: p.shape for n, p in ours.named_parameters() if p.requires_grad}
+    for (n, p), (_, q) in zip(cell.named_parameters(), ours.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
