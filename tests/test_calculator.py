@@ -100,7 +100,6 @@ def test_a_big_model_on_a_small_card_does_not_fit():
         ("qlora", True, "QLoRA trains LoRA adapters"),
         ("batch_size", 0, "must be positive"),
         ("weight_dtype", "bf16", "bf16 weights compute in bf16, not fp32"),
-        ("bf16_update", "kahan", "needs weight_dtype bf16"),
     ],
 )
 @needs_widgets
@@ -245,6 +244,26 @@ def test_bf16_weights_are_a_choice_of_the_calculator():
     assert calc.estimate == want and calc.error == ""
     assert calc.estimate.params < 0.51 * fp32_params and calc.estimate.weight_copies == 0
     assert "bf16 weights (kahan updates)" in calc._repr_mimebundle_()["text/plain"]
+
+
+@needs_widgets
+def test_the_bf16_update_applies_only_to_trained_bf16_weights():
+    """The bf16 AdamW update is greyed out, and left out of the setting, unless the controls
+    train bf16 weights: going back to fp32 weights (or to LoRA) is not refused for it."""
+    calc = calculator(precision="bf16", card="l4", interactive=True)
+    assert calc.controls["bf16_update"].disabled
+    calc.controls["weight_dtype"].value = "bf16"
+    calc.controls["bf16_update"].value = "kahan"
+    assert not calc.controls["bf16_update"].disabled and calc.setting.bf16_update == "kahan"
+    calc.controls["lora_r"].value = 8  # LoRA's adapters train in fp32 on the bf16 base
+    assert calc.controls["bf16_update"].disabled and calc.setting.bf16_update == "nearest"
+    assert calc.error == "", calc.error
+    calc.controls["lora_r"].value = 0
+    calc.controls["weight_dtype"].value = "fp32"
+    assert calc.setting.bf16_update == "nearest" and calc.error == "", calc.error
+    calc.controls["precision"].value = "tf32"
+    calc.controls["card"].value = "t4"
+    assert "cannot train in tf32" in calc.result.verdict
 
 
 @needs_widgets

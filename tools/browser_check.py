@@ -637,10 +637,15 @@ def apply_suggestion(check: Calculator) -> None:
 
 
 def precision_the_card_lacks(check: Calculator) -> None:
-    """Pick the T4 and tf32: the verdict's first word does not say "fits" beside its warning."""
+    """Pick the T4, fp32 weights and tf32: the verdict's first word does not say "fits"
+    beside its warning. (The weights first: Apply may have set bf16 weights, which compute in
+    bf16 only, and the calculator would refuse tf32 for that reason before the card's.)"""
     select = check.control("GPU", "select")
     t4 = next(o for o in select.locator("option").all_inner_texts() if o.startswith("T4"))
     check.change(lambda: select.select_option(label=t4), f"GPU {t4}")
+    weights = check.control("weights stored in", "select")
+    if weights.locator("option:checked").inner_text().strip() != "fp32":
+        check.change(lambda: weights.select_option(label="fp32"), "weights fp32")
     precision = check.control("precision", "select")
     now = check.change(lambda: precision.select_option(label="tf32"), "precision tf32")
     ok = not now.startswith("fits") and "cannot train in tf32" in now

@@ -43,6 +43,7 @@ from helpers.names import (
     GiB,
     MiB,
     human_bytes,
+    trained_dtype,
 )
 from helpers.quiet import quiet_libraries
 
@@ -548,10 +549,17 @@ class Calculator:
     def setting(self) -> CalculatorSetting:
         """The setting the controls show (a config path typed in overrides the model list)."""
         values = {name: c.value for name, c in self.controls.items()}
+        if not self._trains_bf16_weights():  # the control is greyed out: its value is not used
+            values["bf16_update"] = "nearest"
         path = values.pop("config_path").strip()
         if path:
             values["model"] = os.path.expanduser(path)
         return CalculatorSetting(**values, lora_targets=self.lora_targets)
+
+    def _trains_bf16_weights(self) -> bool:
+        """Whether the controls train bf16 weights: the only case a bf16 AdamW update is for."""
+        c = self.controls
+        return trained_dtype(c["weight_dtype"].value, c["lora_r"].value) == "bf16"
 
     @property
     def estimate(self):
@@ -576,6 +584,7 @@ class Calculator:
     def _update(self) -> None:
         """Estimate the controls' setting (cached); show its figure, then its verdict."""
         self.controls["model"].disabled = bool(self.controls["config_path"].value.strip())
+        self.controls["bf16_update"].disabled = not self._trains_bf16_weights()
         setting = self.setting
         if setting not in self._cache:
             self.verdict.value = "<p style='margin:0.3em 0'><i>estimating...</i></p>"
