@@ -14,30 +14,20 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from matplotlib.figure import Figure
 
-from helpers.data import MarkovTask, markov_dataset
-from helpers.device import resolve
 from helpers.isolate import call_isolated
 from helpers.memory import CategoryTracker, memory_budget
-from helpers.models import build_model, load_config, task_kind
 from helpers.names import MiB, human_bytes
 from helpers.plots import legend_outside, plain_ticks
-from helpers.quiet import quiet_libraries
 from helpers.timing import Comparison, Disturbance, time_fn
-from helpers.train import quiet_trainer, trainer_arguments
 
 # The phrase accelerate.utils.should_reduce_batch_size looks for in a CUDA/XPU OOM message.
 OOM_PHRASE = " out of memory."
-
-
-with quiet_libraries():  # transformers.trainer_utils imports peft, which imports bitsandbytes
-    from transformers import TrainerCallback
 
 
 def largest_fitting(peaks: dict[int, int], budget: int) -> int | None:
@@ -192,63 +182,6 @@ def matmul_timing(
         out.rounds[n] = [t / inner for t in kept[n]]  # the claims: undisturbed rounds only
         out.aside_rounds[n] = [t / inner for t, k in zip(every[n], kept_mask, strict=True) if not k]
     return out
-
-
-@dataclass
-class TrainerSearchResult:
-    """What the Trainer's ``auto_find_batch_size`` did: every batch size it started with."""
-
-    tried: list[int]  # the batch of each (re)start of the training loop, in order
-    final: int  # the batch it trained with
-    steps: int  # optimizer steps it completed
-    loss: float  # its mean training loss
-
-
-class BatchSizesTried(TrainerCallback):
-    """Collects the batch size each (re)start of ``Trainer.train``'s loop begins with."""
-
-    def __init__(self) -> None:
-        self.tried: list[int] = []
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        """The loop starts, first or after an out-of-memory error."""
-        self.tried.append(state.train_batch_size)
-
-
-def trainer_auto_batch(
-    model: str,
-    start: int,
-    seq_len: int,
-    budget: int,
-    max_steps: int = 2,
-    device: str | None = None,
-    seed: int = 0,
-) -> TrainerSearchResult:
-    """Train ``model`` with the Trainer's ``auto_find_batch_size`` inside a memory budget."""
-    from transformers import Trainer  # seconds to import: only this call needs it
-
-    dev = resolve(device)
-    config = load_config(model)
-    net = build_model(config, device=dev, seed=seed)
-    task = MarkovTask(n_states=min(64, config.vocab_size), seed=seed)
-    data = markov_dataset(task, task_kind(config), n=start * max_steps, seq_len=seq_len, seed=seed)
-    tried = BatchSizesTried()
-    with tempfile.TemporaryDirectory() as out:
-        # quiet: a progress bar and the metrics of every attempt would bury the output
-        args = trainer_arguments(
-            out, dev, per_device_train_batch_size=start,
-            auto_find_batch_size=True,  # the switch: retry with a smaller batch after an OOM
-            max_steps=max_steps, learning_rate=1e-3, seed=seed,
-        )  # fmt: skip
-        with quiet_libraries():  # the Trainer imports deepspeed, which logs on a CPU
-            trainer = quiet_trainer(
-                Trainer(model=net, args=args, train_dataset=data, callbacks=[tried])
-            )
-        with recognised_budget(budget, net, device=dev):
-            result = trainer.train()
-    return TrainerSearchResult(
-        tried.tried, tried.tried[-1], result.global_step, float(result.training_loss)
-    )
 
 
 def throughput_memory_figure(
