@@ -137,9 +137,24 @@ def test_markov_curves_sets_each_runs_learning_rate():
 
 
 def test_trainer_states_reports_what_the_trainer_built_or_why_not():
-    from helpers.lessons.optimizers import trainer_states
+    """Lesson 06's trained_with cell (the Trainer with optim=...), read by trainer_states."""
+    import tempfile
+    from types import SimpleNamespace
 
-    out = trainer_states("bert-tiny", ["adamw_torch", "no_such_optimizer"], steps=1)
+    from transformers import PrinterCallback
+
+    from helpers.lessons.optimizers import trainer_states
+    from helpers.models import build_model, load_config
+    from tests.cells import cell_function
+
+    lesson = SimpleNamespace(scale=SimpleNamespace(encoder="bert-tiny"), device=torch.device("cpu"))
+    trained_with = cell_function(
+        "06_optimizers.ipynb", "trained_with", L=lesson, build_model=build_model,
+        load_config=load_config, tempfile=tempfile, PrinterCallback=PrinterCallback,
+    )  # fmt: skip
+    out = trainer_states(
+        lambda optim: trained_with(optim, steps=1), ["adamw_torch", "no_such_optimizer"]
+    )
     built, failed = out["adamw_torch"], out["no_such_optimizer"]
     assert built.error is None and built.optimizer_class == "torch.optim.adamw.AdamW"
     assert built.overrides == [] and built.hyper["lr"] == 1e-3

@@ -10,16 +10,14 @@ The state rules themselves are core machinery: ``helpers.optimizer_state``.
 from __future__ import annotations
 
 import importlib.util
-import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from helpers.data import MarkovTask, markov_dataset
 from helpers.device import resolve
-from helpers.models import build_model, load_config, task_kind
+from helpers.models import build_model, load_config
 from helpers.optimizer_state import StateTensor, read_state
 from helpers.progress import progress
 from helpers.quiet import quiet_libraries
@@ -27,9 +25,7 @@ from helpers.timing import Comparison, compare_calls
 from helpers.train import (
     RunConfig,
     TrainResult,
-    quiet_trainer,
     train_markov,
-    trainer_arguments,
 )
 
 
@@ -135,58 +131,33 @@ class TrainerStateResult:
     error: str | None = None  # "ImportError: ..." when the name failed (bitsandbytes missing)
 
 
-def trainer_states(
-    model_name: str, optims: list[str], steps: int = 2, seed: int = 0
-) -> dict[str, TrainerStateResult]:
-    """Train ``steps`` steps with each of the Trainer's ``optim=`` names; report what it built.
+def trainer_states(trained_with: Callable, optims: list[str]) -> dict[str, TrainerStateResult]:
+    """What the Trainer built for each of its ``optim=`` names, trained by ``trained_with``.
 
-    Per name: the optimizer's class, its hyper-parameters, the modules registered with
-    bitsandbytes' GlobalOptimManager for 32-bit state, and ``read_state`` of the optimizer.
-    A name that fails (bitsandbytes missing, say) comes back with its ``error`` set.
+    ``trained_with(optim)`` trains with ``TrainingArguments(optim=optim)`` and returns the model
+    and the optimizer (lesson 06 writes it in a cell). Per name: the optimizer's class, its
+    hyper-parameters, the modules registered with bitsandbytes' GlobalOptimManager for 32-bit
+    state, and ``read_state`` of the optimizer. A name that fails (bitsandbytes missing, an
+    unknown name) comes back with its ``error`` set.
     """
-    with quiet_libraries():  # DeepSpeed's CPU notice, bitsandbytes' import warning
-        return {
-            optim: _trainer_state(model_name, optim, steps, seed)
-            for optim in progress(optims, "Trainer optimizers")
-        }
-
-
-def _trainer_state(model_name: str, optim: str, steps: int, seed: int) -> TrainerStateResult:
-    """One ``trainer_states`` entry: build, train and inspect one Trainer."""
-    config = load_config(model_name)
-    device = resolve(None)
-    model = build_model(config, device=device, seed=seed)
-    task = MarkovTask(n_states=min(64, config.vocab_size), seed=seed)
-    data = markov_dataset(task, task_kind(config), 4 * steps, 32, seed=seed)
-    try:
-        trainer = _trained(model, data, optim, steps, seed, device)
-    except (ImportError, ValueError, RuntimeError) as err:
-        return TrainerStateResult(error=f"{type(err).__name__}: {str(err).strip().splitlines()[0]}")
-    opt = trainer.optimizer
-    opt = getattr(opt, "optimizer", opt)  # accelerate wraps it
-    return TrainerStateResult(
-        optimizer_class=f"{type(opt).__module__}.{type(opt).__name__}",
-        hyper=_hyper_parameters(opt),
-        overrides=_bnb_overrides(model, opt),
-        state=read_state(model, opt),
-    )
-
-
-def _trained(model, data, optim: str, steps: int, seed: int, device: torch.device):
-    """A quiet Trainer with ``optim=optim``, after ``steps`` steps of batch 4 at lr 1e-3."""
-    from transformers import Trainer  # seconds to import: only this call needs it
-
-    args = trainer_arguments(
-        str(Path(tempfile.gettempdir()) / "course-trainer-06"), device,
-        optim=optim, max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3,
-        seed=seed,
-    )  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        # quiet: no log lines, we report what it built
-        trainer = quiet_trainer(Trainer(model=model, args=args, train_dataset=data))
-        trainer.train()
-    return trainer
+    out = {}
+    for optim in progress(optims, "Trainer optimizers"):
+        # DeepSpeed's CPU notice, bitsandbytes' import warning, the Trainer's own warnings
+        with quiet_libraries(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                model, opt = trained_with(optim)
+            except (ImportError, ValueError, RuntimeError) as err:
+                line = str(err).strip().splitlines()[0]
+                out[optim] = TrainerStateResult(error=f"{type(err).__name__}: {line}")
+                continue
+        out[optim] = TrainerStateResult(
+            optimizer_class=f"{type(opt).__module__}.{type(opt).__name__}",
+            hyper=_hyper_parameters(opt),
+            overrides=_bnb_overrides(model, opt),
+            state=read_state(model, opt),
+        )
+    return out
 
 
 def _bnb_overrides(model: torch.nn.Module, opt) -> list[tuple]:
