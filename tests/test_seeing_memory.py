@@ -9,7 +9,6 @@ import pytest
 from helpers.lessons.seeing_memory import (
     GRID,
     REMEDIES,
-    fix_for,
     grid_config,
     growth,
     largest_rows,
@@ -20,6 +19,7 @@ from helpers.lessons.seeing_memory import (
 from helpers.memory import CATEGORIES
 from helpers.timeline import measure_timeline, predicted_timeline
 from helpers.train import RunConfig
+from tests.cells import cell_function
 
 BASE = RunConfig(model="llama-tiny", batch_size=2, seq_len=32, repeats=1, flops=False)
 
@@ -49,6 +49,7 @@ def test_an_oom_names_what_grew_and_its_fix_fits(batch, seq, grew):
     failed = measure_timeline(replace(base, budget=budget), isolate=False)
     g = growth(failed, len(failed.phase) - 1)
     assert failed.error and max(g, key=g.get) == grew
+    fix_for = cell_function("15_seeing_memory.ipynb", "fix_for", replace=replace)  # the lesson's
     name, fixed_cfg = fix_for(replace(base, budget=budget), grew)
     fixed = measure_timeline(fixed_cfg, isolate=False)
     assert not fixed.error and fixed.peak <= budget, name

@@ -37,17 +37,6 @@ REMEDIES = {
 }
 
 
-# The one change section 5 tries for the category that grew the most before a step failed:
-# the techniques that remove that category's bytes (a step's growth is always one of these:
-# parameters, buffers and the optimizer state are there before it starts).
-FIXES = {
-    "activations": ("gradient checkpointing", {"gradient_checkpointing": True}),
-    "temporaries": ("gradient checkpointing", {"gradient_checkpointing": True}),
-    "gradients": ("LoRA (rank 8): gradients for the adapters only", {"lora_r": 8}),
-    "optimizer_state": ("8-bit AdamW", {"optimizer": "adamw8bit"}),
-}
-
-
 @dataclass
 class PeakMatch:
     """The predicted peak against the measured one: size and moment."""
@@ -111,12 +100,6 @@ def short_where(where: str) -> str:
     """ "backward: LlamaForCausalLM.model.layers.0.mlp" -> "backward: model.layers.0.mlp"."""
     phase, _, module = where.partition(": ")
     return f"{phase}: {short_module(module)}" if module else phase
-
-
-def fix_for(cfg: RunConfig, category: str) -> tuple[str, RunConfig]:
-    """The technique ``FIXES`` names for ``category``, and ``cfg`` with it applied."""
-    name, changes = FIXES.get(category, FIXES["activations"])
-    return name, replace(cfg, **changes)
 
 
 def remedy(category: str) -> str:
