@@ -23,7 +23,8 @@ def cell_function(notebook: str, name: str, **scope):
     for cell in cells:
         source = "".join(cell["source"])
         if cell["cell_type"] == "code" and re.search(rf"^(def|class) {name}\b", source, re.M):
-            scope = {"torch": torch, **scope}
+            # __main__, as in a kernel: helpers.isolate sends such a function by value
+            scope = {"__name__": "__main__", "torch": torch, **scope}
             exec(compile(source, f"{notebook}: {name}", "exec"), scope)
             return scope[name]
     raise LookupError(f"no code cell of {notebook} defines {name}")

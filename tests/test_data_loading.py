@@ -242,10 +242,14 @@ def test_pin_report_without_accelerator():
 def test_trainer_runs_time_each_worker_count():
     # In a fresh process, as in the notebook: it sets the thread count.
     from helpers.isolate import call_isolated
-    from helpers.lessons.data_loading import trainer_runs
+    from helpers.lessons.data_loading import start_method, trainer_runs
+    from tests.cells import cell_function
 
-    outcome = call_isolated(trainer_runs, "bert-tiny", 2, 16, 40, (0, 1), 2, 1, 1, "cpu",
-                            daemon=False)  # fmt: skip
+    arguments = cell_function(
+        "11_data_loading.ipynb", "loader_arguments", start_method=start_method
+    )
+    outcome = call_isolated(trainer_runs, arguments, "bert-tiny", 2, 16, 40, (0, 1), 2, 1, 1,
+                            "cpu", daemon=False)  # fmt: skip
     out = outcome.unwrap()
     assert [r.num_workers for r in out] == [0, 1] == [r.loader_workers for r in out]
     for r in out:

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from helpers.names import MiB
 from helpers.plots import category_labels, legend_outside
 from helpers.results import Record
 from helpers.timing import Comparison, compare_calls, interleave, synchronize
-from helpers.train import make_optimizer, quiet_trainer, train_step, trainer_arguments
+from helpers.train import make_optimizer, quiet_trainer, train_step
 
 CONSONANTS = "bdfgklmnprstvz"
 VOWELS = "aeiou"
@@ -720,6 +721,7 @@ class _TrainerRun:
 
 
 def trainer_runs(
+    arguments: Callable,
     model: str,
     batch_size: int,
     seq_len: int,
@@ -730,7 +732,11 @@ def trainer_runs(
     threads: int = 1,
     device: str | None = None,
 ) -> list[TrainerLoaderResult]:
-    """Train with ``Trainer`` on the same documents and collator, once per worker count."""
+    """Train with ``Trainer`` on the same documents and collator, once per worker count.
+
+    ``arguments(folder, device, batch_size, steps, workers)`` gives the ``TrainingArguments``
+    of one run (lesson 11 writes it in a cell).
+    """
     # One process for all: importing the Trainer costs seconds, once. Per run: seconds per
     # step, the share spent before the step began (fetching the batch), the collate's own
     # seconds (a Trainer subclass takes them out of the batch before the model sees it), the
@@ -746,24 +752,10 @@ def trainer_runs(
     out = []
     for num_workers in workers:
         with tempfile.TemporaryDirectory() as folder:
-            args = _trainer_args(folder, dev, batch_size, steps + warmup, num_workers)
+            args = arguments(folder, dev, batch_size, steps + warmup, num_workers)
             run = _train(classes, model, args, docs, collate)
         out.append(_trainer_result(run, num_workers, batch_size, warmup))
     return out
-
-
-def _trainer_args(folder: str, dev: torch.device, batch_size: int, steps: int, workers: int):
-    """Quiet TrainingArguments: ``steps`` steps fed by ``workers`` DataLoader workers."""
-    return trainer_arguments(
-        folder,
-        dev,
-        per_device_train_batch_size=batch_size,
-        max_steps=steps,
-        dataloader_num_workers=workers,
-        dataloader_pin_memory=True,  # the default, spelled out
-        dataloader_multiprocessing_context=start_method() if workers else None,
-        remove_unused_columns=False,  # the collator needs the "text" column
-    )
 
 
 def _train(classes: tuple[type, type], model: str, args, docs: Documents, collate) -> _TrainerRun:
