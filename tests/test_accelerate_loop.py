@@ -58,6 +58,22 @@ def test_the_measuring_wrapper_trains_exactly_as_the_plain_loop():
     assert measured.mixed_precision == "bf16" and measured.device == "cpu"
 
 
+def test_the_trainer_twin_trains_the_loops_configuration():
+    """trainer_run with lesson 07's cell (the loop's configuration as TrainingArguments)."""
+    from helpers.compat import trainer_checkpointing
+    from tests.cells import cell_function
+
+    arguments = cell_function(
+        "07_accelerate_loop.ipynb", "loop_as_trainer_arguments",
+        trainer_checkpointing=trainer_checkpointing,
+    )  # fmt: skip
+    cfg = lesson.LoopConfig(seq_len=32, optimizer="adamw", max_steps=2, cpu=True)
+    run = call_isolated(lesson.trainer_run, cfg, arguments).unwrap()
+    assert len(run.losses) == cfg.max_steps and all(0 < x < 10 for x in run.losses)
+    assert run.memory["weight_copies"] > 0  # bf16=True: autocast made 16-bit weight copies
+    assert run.memory["optimizer_state"] >= 8 * run.n_params  # AdamW's two moments, tracked
+
+
 @pytest.mark.parametrize("k", [1, 4, 12])
 def test_accumulate_steps_once_per_window_with_the_big_batch_gradient(k):
     demo = call_isolated(lesson.accumulation_demo, k).unwrap()

@@ -28,12 +28,13 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch.utils.data import DataLoader
 
-from helpers.compat import missing_optional, trainer_checkpointing
+from helpers.compat import missing_optional
 from helpers.data import MarkovTask, markov_dataset
 from helpers.memory import CategoryTracker
 from helpers.models import (
@@ -44,11 +45,7 @@ from helpers.models import (
     task_kind,
 )
 from helpers.quiet import quiet_libraries
-from helpers.train import make_optimizer, quiet_trainer, trainer_arguments
-
-# The Trainer's ``optim=`` name for each of helpers.train.make_optimizer's names.
-TRAINER_OPTIM = {"adamw8bit": "adamw_bnb_8bit", "adamw": "adamw_torch", "sgd": "sgd",
-                 "adafactor": "adafactor"}  # fmt: skip
+from helpers.train import make_optimizer, quiet_trainer
 
 
 @dataclass
@@ -277,32 +274,12 @@ def accumulation_demo(gradient_accumulation_steps: int, micro_batches: int = 12,
     return {"optimizer_steps": steps, "ratio": ratio, "max_diff": max_diff}
 
 
-def _trainer_arguments(cfg: LoopConfig, output_dir: str):
-    """``cfg`` as quiet TrainingArguments that keep a loss per optimizer step."""
-    return trainer_arguments(
-        output_dir,
-        logging_strategy="steps",
-        logging_steps=1,
-        per_device_train_batch_size=cfg.per_device_train_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        **trainer_checkpointing(cfg.gradient_checkpointing, {"use_reentrant": False}),
-        bf16=cfg.mixed_precision == "bf16",
-        fp16=cfg.mixed_precision == "fp16",
-        optim=TRAINER_OPTIM[cfg.optimizer],
-        learning_rate=cfg.learning_rate,
-        max_grad_norm=cfg.max_grad_norm,
-        max_steps=cfg.max_steps,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        use_cpu=cfg.cpu,  # as Accelerator(cpu=...): the default device unless forced
-        dataloader_num_workers=0,
-        seed=cfg.seed,
-    )
+def trainer_run(cfg: LoopConfig, arguments: Callable) -> LoopResult:
+    """Train the same configuration with ``Trainer``; track the same optimizer step.
 
-
-def trainer_run(cfg: LoopConfig) -> LoopResult:
-    """Train the same configuration with ``Trainer``; track the same optimizer step."""
+    ``arguments(cfg, output_dir)`` turns ``cfg`` into ``TrainingArguments`` (lesson 07 writes it
+    in a cell, field by field).
+    """
     from transformers import Trainer  # seconds to import: only this call needs it
 
     config = load_config(cfg.model)
@@ -317,7 +294,7 @@ def trainer_run(cfg: LoopConfig) -> LoopResult:
     result = _result_for(model)
     callback = meter_steps(StepMeter(cfg.track_step, result))
     with tempfile.TemporaryDirectory() as out:
-        args = _trainer_arguments(cfg, os.path.join(out, "trainer"))
+        args = arguments(cfg, os.path.join(out, "trainer"))
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
         quiet_trainer(trainer).train()
     result.losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
