@@ -116,10 +116,10 @@ def portable(obj: Any, what: str = "the experiment") -> Any:
         def step(): ...  # in a notebook cell
         call_isolated(step)  # sends portable((step, (), {})): step's own code, by value
     """
-    cells = _defined_in_cells(obj)
+    cells, instances = _cell_objects(obj)
     if not cells:
         return obj
-    for name, value in _captured(cells):
+    for name, value in _captured(cells) + _attributes(instances):
         problem = _cannot_travel(value)
         if problem:
             raise CannotTravel(f"{what} uses `{name}`, {problem}")
@@ -166,15 +166,30 @@ def _in_cell(obj: Any) -> bool:
 
 
 def _defined_in_cells(obj: Any) -> list:
+    """The functions and classes defined in a notebook cell (``__main__``) that ``obj`` holds."""
+    return _cell_objects(obj)[0]
+
+
+def _cell_objects(obj: Any) -> tuple[list, list]:
     """The functions and classes defined in a notebook cell (``__main__``) that ``obj`` holds,
-    found as pickle walks it (everything the fresh process would be sent), else, where
-    something in it does not pickle, by a walk of its containers."""
+    and the instances of such classes, found as pickle walks it (everything the fresh process
+    would be sent); where something in it does not pickle, the code by a walk of its
+    containers (multiprocessing would refuse the rest itself)."""
     finder = _CellFinder()
     try:
         finder.dump(obj)
     except Exception:  # something pickle cannot send; multiprocessing would say so itself
-        return _walk_for_cells(obj)
-    return finder.found
+        return _walk_for_cells(obj), []
+    return finder.found, finder.instances
+
+
+def _attributes(instances: list) -> list[tuple[str, Any]]:
+    """(``Class.attribute``, value) of each instance's own attributes."""
+    return [
+        (f"{type(i).__name__}.{name}", value)
+        for i in instances
+        for name, value in getattr(i, "__dict__", {}).items()
+    ]
 
 
 class _Discard:
@@ -188,6 +203,7 @@ class _CellFinder(pickle.Pickler):
     def __init__(self) -> None:
         super().__init__(_Discard())
         self.found: list = []
+        self.instances: list = []  # of classes defined in a cell: their attributes are checked
         self.dispatch_table = {**copyreg.dispatch_table, **_BY_NAME}
 
     def persistent_id(self, obj: Any) -> str | None:
@@ -195,6 +211,8 @@ class _CellFinder(pickle.Pickler):
             if all(obj is not f for f in self.found):
                 self.found.append(obj)
             return "a cell's"  # not walked further: dill sends it by value
+        if _in_cell(type(obj)) and all(obj is not i for i in self.instances):
+            self.instances.append(obj)  # walked on: its class and attributes follow
         return None
 
 

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import isolate
 
@@ -175,3 +176,15 @@ def test_cell_code_is_found_inside_benches_partials_and_instances():
     assert isolate._defined_in_cells(held) == [in_cell, holder]
     # Where something does not pickle (a lock), the walk of its containers finds them.
     assert isolate._defined_in_cells([threading.Lock(), deep, holder()]) == [in_cell, holder]
+
+
+def test_a_model_held_by_an_instance_of_a_cell_class_is_refused():
+    """An instance of a class written in a cell travels with its attributes: a model among
+    them is refused by name, as one a cell function uses would be."""
+    holder = type("Holder", (), {"__module__": "__main__"})
+    spec = holder()
+    spec.size, spec.model = 4, torch.nn.Linear(2, 2)
+    with pytest.raises(isolate.CannotTravel, match=r"uses `Holder.model`, a model \(Linear\)"):
+        isolate.portable((print, (spec,), {}))
+    del spec.model  # plain values travel
+    assert isinstance(isolate.portable((print, (spec,), {})), isolate._ByValue)
