@@ -15,6 +15,7 @@ or a CUDA tensor the notebook made, an open file) is refused before the process 
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import dataclasses
 import functools
@@ -23,6 +24,7 @@ import io
 import os
 import pickle
 import statistics
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -152,13 +154,47 @@ def _dumps(obj: Any) -> bytes:
     buf = io.BytesIO()
     pickler = dill.Pickler(buf, recurse=True)
     pickler.dispatch_table = {**copyreg.dispatch_table, **_BY_NAME}
-    pickler.dump(obj)
+    with _walk_cells_only():
+        pickler.dump(obj)
     return buf.getvalue()
+
+
+@contextlib.contextmanager
+def _walk_cells_only():
+    """dill's search for the globals a cell's function uses (``dill.detect.globalvars``, with
+    ``recurse=True``), stopped at importable functions: those travel by name, so their modules'
+    globals are never sent, and dill 0.4's walk through them never ends on two functions that
+    call each other (the planner's, say: a RecursionError). Functions sent by value (a cell's,
+    one made inside another) are walked as dill walks them."""
+    walk = dill.detect.globalvars
+
+    def cells_only(func, recurse=True, builtin=False):
+        code = getattr(func, "__func__", func)
+        if inspect.isfunction(code) and _importable(code):
+            return {}
+        return walk(func, recurse, builtin)
+
+    dill.detect.globalvars = cells_only
+    try:
+        yield
+    finally:
+        dill.detect.globalvars = walk
 
 
 def arrived(obj: Any) -> Any:
     """What ``portable`` sent, as it was (in the fresh process)."""
     return obj.load() if isinstance(obj, _ByValue) else obj
+
+
+def _importable(fn: Any) -> bool:
+    """Whether ``fn`` is found again by its module and qualified name (so pickle sends its name):
+    not a cell's function, nor one made inside another function."""
+    if _in_cell(fn):
+        return False
+    found = sys.modules.get(fn.__module__)
+    for part in fn.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is fn
 
 
 def _in_cell(obj: Any) -> bool:

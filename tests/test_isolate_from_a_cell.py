@@ -188,3 +188,21 @@ def test_a_model_held_by_an_instance_of_a_cell_class_is_refused():
         isolate.portable((print, (spec,), {}))
     del spec.model  # plain values travel
     assert isinstance(isolate.portable((print, (spec,), {})), isolate._ByValue)
+
+
+def _even(n: int) -> bool:
+    return n == 0 or _odd(n - 1)
+
+
+def _odd(n: int) -> bool:
+    return n != 0 and _even(n - 1)
+
+
+def test_cell_code_calling_library_functions_that_call_each_other_travels():
+    # dill's search for the globals a function uses walks into every function it calls; two
+    # importable functions that call each other (as the planner's do) made it recurse without
+    # end. They travel by name, so the search stops at them.
+    scope = {"__name__": "__main__", "_even": _even}
+    exec("def check(n):\n    return _even(n), _odd.__name__", scope)  # a cell's function
+    scope["_odd"] = _odd
+    assert isolate.call_isolated(scope["check"], 10).unwrap() == (True, "_odd")
