@@ -12,8 +12,11 @@ from helpers.lessons import deepspeed_zero as zero
 from helpers.memory import CategoryTracker, OffloadView
 from helpers.models import build_model, count_params, load_config
 from helpers.names import MiB
+from tests.cells import cell_function
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+# The DeepSpeed config as lesson 08 writes it in a cell: the one every ZeRO run uses.
+zero_config = cell_function("08_deepspeed_zero.ipynb", "zero_config")
 
 
 def test_layer_counts_match_a_built_model():
@@ -50,11 +53,22 @@ def test_zero_config_takes_the_sizes_of_a_run_config():
     from helpers.train import RunConfig
 
     plain = RunConfig(model="llama-tiny", batch_size=3, seq_len=32, warmup=2, repeats=5, seed=7)
-    spec = zero.ZeroConfig.from_run(plain, stage=2, offload_params=False, label="ZeRO-2")
+    ds = zero_config(2, 128, 3)
+    spec = zero.ZeroConfig.from_run(plain, ds_config=ds, label="ZeRO-2")
     sizes = (spec.model, spec.batch_size, spec.seq_len, spec.warmup, spec.repeats, spec.seed)
     assert sizes == ("llama-tiny", 3, 32, 2, 5, 7)
     assert (spec.stage, spec.offload_params, spec.label, spec.budget) == (2, False, "ZeRO-2", None)
     assert "precision" not in spec.as_dict()  # RunConfig's switches that ZeRO runs do not take
+    assert spec.as_dict()["stage"] == 2 and spec.as_dict()["ds_config"] == ds
+    three = zero.ZeroConfig.from_run(plain, ds_config=zero_config(3, 128, 3, offload_params=True))
+    assert (three.stage, three.offload_params) == (3, True)
+
+
+def test_a_zero_config_refuses_a_missing_or_contradictory_deepspeed_config():
+    with pytest.raises(ValueError, match="zero_config cell"):
+        zero.ZeroConfig(model="llama-tiny")
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu is 2 but batch_size is 4"):
+        zero.ZeroConfig(model="llama-tiny", ds_config=zero_config(3, 128, 2), batch_size=4)
 
 
 def test_deepspeed_estimates_name_each_option():
@@ -81,14 +95,14 @@ def test_plan_walks_the_decision_tree():
 
 
 def test_zero_config_offloads_and_accepts_a_torch_optimizer():
-    cfg = zero.zero_config(3, hidden_size=64, batch_size=2, offload_params=True)
+    cfg = zero_config(3, hidden_size=64, batch_size=2, offload_params=True)
     z = cfg["zero_optimization"]
     assert z["stage"] == 3 and z["offload_optimizer"]["device"] == "cpu"
     assert z["offload_param"]["device"] == "cpu" and z["reduce_bucket_size"] == 64 * 64
     assert cfg["zero_force_ds_cpu_optimizer"] is False
-    assert "offload_param" not in zero.zero_config(2, 64, 2)["zero_optimization"]
+    assert "offload_param" not in zero_config(2, 64, 2)["zero_optimization"]
     with pytest.raises(ValueError):
-        zero.zero_config(2, 64, 2, offload_params=True)
+        zero_config(2, 64, 2, offload_params=True)
 
 
 def test_one_process_env_is_a_world_of_one():
@@ -124,9 +138,8 @@ def test_offload_view_ignores_host_buffers_and_enforces_the_budget():
 def test_zero3_offload_in_one_process_matches_plain_training():
     from helpers.train import RunConfig, Trainee
 
-    run = zero.ZeroConfig(
-        model="llama-tiny", stage=3, batch_size=2, seq_len=16, warmup=1, repeats=1
-    )
+    ds_config = zero_config(3, 128, 2, offload_params=True)  # llama-tiny's width
+    run = zero.ZeroConfig("llama-tiny", ds_config, batch_size=2, seq_len=16, warmup=1, repeats=1)
     out = call_isolated(zero.measure_zero, run)
     assert out.error is None, out.error
     rec = out.value
@@ -179,7 +192,7 @@ def test_zero_step_is_a_contender_timed_in_turns_with_a_plain_step():
     from helpers.train import RunConfig, trainee_step
 
     plain = RunConfig(model="llama-tiny", batch_size=2, seq_len=16)
-    run = zero.ZeroConfig.from_run(plain, stage=2, offload_params=False)
+    run = zero.ZeroConfig.from_run(plain, ds_config=zero_config(2, 128, 2))
     contenders = {"plain": bench(trainee_step, plain), "ZeRO-2": bench(zero.zero_step, run)}
     out = compare_benches(contenders, "cpu", rounds=2, max_rounds=2)
     assert not out.errors, out.errors
@@ -199,7 +212,7 @@ def test_a_zero_run_on_a_gpu_reads_the_allocator_after_a_reset(monkeypatch):
     cuda = torch.device("cuda", 0)
     fake.allocate(50 * MiB)  # what lives through the steps
     fake.alloc[0].peak_allocated = 500 * MiB  # a warm-up spike before the tracked step
-    run = zero.ZeroConfig(stage=2, offload_params=False, device="cuda")
+    run = zero.ZeroConfig(ds_config=zero_config(2, 128, 4), device="cuda")
     module = torch.nn.Linear(4, 4)
     setup = zero._ZeroSetup(
         engine=SimpleNamespace(module=module),

@@ -59,7 +59,7 @@ from helpers.names import GiB, MiB
 from helpers.plots import CATEGORY_COLORS, STEP_CATEGORIES, category_labels
 from helpers.results import Record
 from helpers.timing import time_fn
-from helpers.train import make_optimizer, quiet_trainer, trainer_arguments
+from helpers.train import make_optimizer, quiet_trainer
 
 FP32 = 4
 # The course's rule of thumb for fp32 training with AdamW (lesson 01): 4 weights + 4 gradients
@@ -99,53 +99,6 @@ def one_process_env() -> dict[str, str]:
         "RANK": "0",
         "LOCAL_RANK": "0",
         "WORLD_SIZE": "1",
-    }
-
-
-def zero_config(
-    stage: int,
-    hidden_size: int,
-    batch_size: int,
-    offload_params: bool = False,
-    pin_memory: bool = False,
-) -> dict:
-    """A DeepSpeed config dict: ZeRO ``stage`` with the optimizer offloaded to the CPU, fp32.
-
-    It stays a dict: it is DeepSpeed's own format (the keys of its JSON config file), which
-    ``deepspeed.initialize(config=...)`` and ``TrainingArguments(deepspeed=...)`` take as is.
-    Bucket sizes follow the Trainer's "auto" rule (hidden_size² elements), so they scale with
-    the model. ``zero_force_ds_cpu_optimizer: False`` lets DeepSpeed step a client
-    ``torch.optim.AdamW`` on the offloaded state instead of insisting on its compiled CPU Adam.
-    """
-    if stage not in (2, 3):
-        raise ValueError("this course offloads with ZeRO stage 2 or 3")
-    h2 = hidden_size * hidden_size
-    zero = {
-        "stage": stage,
-        "offload_optimizer": {"device": "cpu", "pin_memory": pin_memory},
-        "contiguous_gradients": True,
-        "reduce_bucket_size": h2,
-    }
-    if stage == 3:
-        zero["offload_param"] = {
-            "device": "cpu" if offload_params else "none",
-            "pin_memory": pin_memory,
-        }
-        zero["stage3_prefetch_bucket_size"] = int(0.9 * h2)
-        zero["stage3_param_persistence_threshold"] = 10 * hidden_size
-        # DeepSpeed's defaults (1e9 elements) keep every fetched weight of a model below a
-        # billion parameters on the device; a few layers' worth lets it release them.
-        zero["stage3_max_live_parameters"] = 3 * h2
-        zero["stage3_max_reuse_distance"] = 3 * h2
-    elif offload_params:
-        raise ValueError("parameter offload needs ZeRO stage 3")
-    return {
-        "train_micro_batch_size_per_gpu": batch_size,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": zero,
-        "zero_force_ds_cpu_optimizer": False,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
     }
 
 
@@ -240,35 +193,59 @@ def device_buffers(ds_optimizer) -> list[torch.Tensor]:
 
 @dataclass
 class ZeroConfig:
-    """One ZeRO-offload experiment: the model, the batch, and what is offloaded.
+    """One ZeRO-offload experiment: the model, the batch, and DeepSpeed's config for it.
 
     Its sizes are ``helpers.train.RunConfig``'s (``from_run`` copies them from one), but it is
-    not a RunConfig: DeepSpeed's stage, offload and pinning are its own, and the RunConfig
-    switches a ZeRO run does not honour (precision, optimizer, attention, accumulation,
-    checkpointing, data, FLOPs, LoRA) are left out rather than silently ignored.
+    not a RunConfig: what DeepSpeed does (stage, offload, pinning, buckets) is ``ds_config``,
+    the config dict lesson 08 writes in a cell (``zero_config``) and DeepSpeed reads as is; the
+    RunConfig switches a ZeRO run does not honour (precision, optimizer, attention,
+    accumulation, checkpointing, data, FLOPs, LoRA) are left out rather than silently ignored.
     """
 
     model: str | dict = "llama-tiny"
-    stage: int = 3
-    offload_params: bool = True  # stage 3 only
+    ds_config: dict = field(default_factory=dict)  # DeepSpeed's own format (its JSON file's keys)
     batch_size: int = 4
     seq_len: int = 64
     warmup: int = 1
     repeats: int = 3
     budget: int | None = None  # bytes of the pretend device; past it: torch.OutOfMemoryError
-    pin_memory: bool = False  # page-locked host buffers: faster GPU transfers, locked RAM
     device: str | None = None
     seed: int = 0
     label: str = ""
 
+    def __post_init__(self):
+        zero = self.ds_config.get("zero_optimization", {})
+        if zero.get("stage") not in (2, 3):
+            raise ValueError(
+                "ZeroConfig needs ds_config, a DeepSpeed config with zero_optimization stage 2 "
+                "or 3 (lesson 08 builds one with its zero_config cell)"
+            )
+        micro = self.ds_config.get("train_micro_batch_size_per_gpu", self.batch_size)
+        if micro != self.batch_size:
+            raise ValueError(
+                f"ds_config's train_micro_batch_size_per_gpu is {micro} but batch_size is "
+                f"{self.batch_size}: build the config for this batch size"
+            )
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage of ``ds_config``."""
+        return self.ds_config["zero_optimization"]["stage"]
+
+    @property
+    def offload_params(self) -> bool:
+        """Whether ``ds_config`` offloads the weights (ZeRO-3's ``offload_param``)."""
+        offload = self.ds_config["zero_optimization"].get("offload_param", {})
+        return offload.get("device", "none") != "none"
+
     def as_dict(self) -> dict:
-        """Plain dict for records and JSON."""
-        return asdict(self)
+        """Plain dict for records and JSON, the stage and weight offload spelled out."""
+        return {**asdict(self), "stage": self.stage, "offload_params": self.offload_params}
 
     @classmethod
     def from_run(cls, run, **overrides) -> ZeroConfig:
         """The ZeRO experiment of a plain ``RunConfig``: the fields they share, ``overrides`` on
-        top (``stage``, ``offload_params``, ...)."""
+        top (``ds_config``, ``label``, ...)."""
         shared = {f.name: getattr(run, f.name) for f in fields(cls) if hasattr(run, f.name)}
         return cls(**{**shared, **overrides})
 
@@ -293,10 +270,7 @@ def _cpu_model(run: ZeroConfig):
     initialize), the parameter count (before ZeRO-3 partitions them away), its DeepSpeed config."""
     config = load_config(run.model)
     model = build_model(config, device="cpu", seed=run.seed)
-    ds_config = zero_config(
-        run.stage, config.hidden_size, run.batch_size, run.offload_params, run.pin_memory
-    )
-    return config, model, count_params(model), ds_config
+    return config, model, count_params(model), run.ds_config
 
 
 @dataclass
@@ -316,7 +290,7 @@ def build_engine(run: ZeroConfig, device: torch.device) -> _ZeroSetup:
     Call it in a fresh process: DeepSpeed starts a process group and keeps global state.
     """
     deepspeed = _start_deepspeed(device)  # one_process_env(), DS_ACCELERATOR, import deepspeed
-    config, model, n_params, ds_config = _cpu_model(run)  # the model on the CPU, zero_config()
+    config, model, n_params, ds_config = _cpu_model(run)  # the model on the CPU, run.ds_config
     optimizer = make_optimizer("adamw", model)  # the same torch AdamW as the plain runs
     engine, ds_optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config
@@ -504,26 +478,22 @@ class TrainerResult:
     train_s: float = 0.0
 
 
-def train_with_trainer(run: ZeroConfig, steps: int) -> TrainerResult:
-    """Train ``run`` with ``Trainer`` and ``TrainingArguments(deepspeed=<config dict>)``.
+def train_with_trainer(run: ZeroConfig, steps: int, arguments) -> TrainerResult:
+    """Train ``run`` with ``Trainer`` for ``steps`` steps, DeepSpeed configured by ``arguments``.
 
-    Call it in a fresh process. The Trainer builds its AdamW, hands it and the model to
-    DeepSpeed, and trains on the learnable Markov task.
+    ``arguments(run, output_dir, steps)`` gives the ``TrainingArguments`` (lesson 08 writes it
+    in a cell: ``deepspeed=run.ds_config``). Call it in a fresh process. The Trainer builds its
+    AdamW, hands it and the model to DeepSpeed, and trains on the learnable Markov task.
     """
     from transformers import Trainer  # seconds; quiet: a fresh process runs in helpers.quiet
 
-    device = resolve(run.device)
-    _start_deepspeed(device)
-    config, model, n_params, ds_config = _cpu_model(run)
+    _start_deepspeed(resolve(run.device))
+    config, model, n_params, _ = _cpu_model(run)
     task = MarkovTask(n_states=min(64, config.vocab_size), seed=run.seed)
     data = markov_dataset(task, task_kind(config), steps * run.batch_size, run.seq_len, run.seed)
     try:
         with tempfile.TemporaryDirectory() as out:
-            args = trainer_arguments(
-                out, device, per_device_train_batch_size=run.batch_size, max_steps=steps,
-                learning_rate=1e-3, lr_scheduler_type="constant", optim="adamw_torch",
-                logging_strategy="steps", logging_steps=1, deepspeed=ds_config, seed=run.seed,
-            )  # fmt: skip
+            args = arguments(run, out, steps)
             # quiet: the losses come back in the result
             trainer = quiet_trainer(Trainer(model=model, args=args, train_dataset=data))
             t0 = time.perf_counter()
