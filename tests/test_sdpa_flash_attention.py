@@ -26,6 +26,10 @@ from tests.plot_checks import figure_problems
 
 # Lesson 10's kernel detector, as its cell writes it (a TorchDispatchMode noting operators).
 attention_ops = cell_function("10_sdpa_flash_attention.ipynb", "attention_ops")
+# Its attention written by hand (section 1's cell): what the experiments run as "manual".
+by_hand = cell_function(
+    "10_sdpa_flash_attention.ipynb", "attention_by_hand", math=__import__("math")
+)
 
 EAGER = ["manual", "hf-eager", "sdpa-math"]
 
@@ -34,13 +38,22 @@ def test_eager_versions_match_sdpa():
     q, k, v, _ = make_qkv(2, 3, 40, 16)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     for name in EAGER:
-        torch.testing.assert_close(attend(name, q, k, v), expected, atol=1e-5, rtol=1e-5)
+        out = attend(name, q, k, v, by_hand=by_hand)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     no_mask = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    torch.testing.assert_close(attend("manual", q, k, v, causal=False), no_mask)
+    torch.testing.assert_close(attend("hf-eager", q, k, v, causal=False), no_mask)
+
+
+def test_manual_needs_the_cells_function_and_is_causal_only():
+    q, k, v, _ = make_qkv(1, 1, 4, 4)
+    with pytest.raises(ValueError, match="pass by_hand=attention_by_hand"):
+        attend("manual", q, k, v)
+    with pytest.raises(ValueError, match="causal"):
+        attend("manual", q, k, v, causal=False, by_hand=by_hand)
 
 
 def test_output_errors_are_small_in_fp32():
-    found = output_errors(EAGER, seq=64, head_dim=16, dtype=torch.float32, heads=2)
+    found = output_errors(EAGER, 64, 16, torch.float32, heads=2, by_hand=by_hand)
     assert isinstance(found, OutputErrorsResult) and set(found.errors) == set(EAGER)
     for err in found.errors.values():
         assert err < 16 * torch.finfo(torch.float32).eps * found.max_v
@@ -58,12 +71,12 @@ def test_cpu_flash_kernel_is_what_sdpa_picks():
     q, k, v, _ = make_qkv(1, 2, 32, 16)
     ops = attention_ops(lambda: attend("sdpa-flash", q, k, v))
     assert any("flash" in op for op in ops), ops
-    assert "bmm" in attention_ops(lambda: attend("manual", q, k, v))
+    assert "bmm" in attention_ops(lambda: attend("manual", q, k, v, by_hand=by_hand))
 
 
 def test_memory_quadratic_for_eager_linear_for_flash():
     seqs = [64, 128, 256]
-    layer = AttentionLayerConfig(batch=1, heads=2, head_dim=8)
+    layer = AttentionLayerConfig(batch=1, heads=2, head_dim=8, by_hand=by_hand)
     manual = [layer_memory("manual", layer, s).peak for s in seqs]
     assert power_law_exponent(seqs, manual) > 1.7
     # The saved probabilities alone are b*h*s^2 fp32 numbers.
@@ -74,7 +87,7 @@ def test_memory_quadratic_for_eager_linear_for_flash():
 
 
 def test_layer_memory_result_counts_the_inputs_and_keeps_categories_for_records():
-    layer = AttentionLayerConfig(batch=1, heads=2, head_dim=8)
+    layer = AttentionLayerConfig(batch=1, heads=2, head_dim=8, by_hand=by_hand)
     mem = layer_memory("manual", layer, 16)
     assert isinstance(mem, LayerMemoryResult)
     assert mem.inputs == 4 * (1 * 2 * 16 * 8) * 4  # q, k, v and the output gradient, fp32

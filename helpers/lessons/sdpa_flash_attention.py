@@ -10,8 +10,8 @@ The measuring functions build their own inputs from sizes, so they can run in a 
 
 from __future__ import annotations
 
-import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
@@ -47,16 +47,6 @@ DTYPES = {
 }
 
 
-def manual_attention(q, k, v, causal: bool = True) -> torch.Tensor:
-    """softmax(Q K^T / sqrt(d)) V, one PyTorch operation at a time."""
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (b, h, s, s): the big one
-    if causal:  # a query may look at itself and earlier positions only
-        s_q, s_k = scores.shape[-2:]
-        future = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
-
-
 def hf_eager_attention(q, k, v, causal: bool = True) -> torch.Tensor:
     """transformers' own eager attention (the Llama one), with the additive mask HF builds."""
     # the modeling code: seconds, for this comparison only
@@ -78,10 +68,21 @@ def sdpa_attention(q, k, v, backend: str = "sdpa-flash", causal: bool = True) ->
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def attend(name: str, q, k, v, causal: bool = True) -> torch.Tensor:
-    """The attention output of implementation ``name`` (one of IMPLEMENTATIONS)."""
+def attend(name: str, q, k, v, causal: bool = True, by_hand=None) -> torch.Tensor:
+    """The attention output of implementation ``name`` (one of IMPLEMENTATIONS).
+
+    "manual" is the attention written by hand, ``by_hand(q, k, v)`` (causal): lesson 10 writes
+    it in a cell and hands it over here or in ``AttentionLayerConfig.by_hand``.
+    """
     if name == "manual":
-        return manual_attention(q, k, v, causal)
+        if by_hand is None:
+            raise ValueError(
+                '"manual" runs the attention written by hand: pass by_hand=attention_by_hand '
+                "(lesson 10, section 1)"
+            )
+        if not causal:
+            raise ValueError("the attention written by hand is causal: use causal=True")
+        return by_hand(q, k, v)
     if name == "hf-eager":
         return hf_eager_attention(q, k, v, causal)
     if name in BACKENDS:
@@ -167,13 +168,15 @@ def attention_dtype(device) -> torch.dtype:
 
 @dataclass(frozen=True)
 class AttentionLayerConfig:
-    """The attention layer the measuring functions build: sizes, number format, device."""
+    """The attention layer the measuring functions build: sizes, number format, device, and the
+    attention written by hand that "manual" runs."""
 
     batch: int
     heads: int
     head_dim: int
     dtype: str = "fp32"  # a key of DTYPES
     device: str = "cpu"  # a device name (a string, so the config travels to a fresh process)
+    by_hand: Callable | None = None  # the "manual" attention (a cell's function travels by value)
 
     def qkv(self, seq: int) -> tuple[torch.Tensor, ...]:
         """``make_qkv`` at sequence length ``seq``: q, k, v and an output gradient."""
@@ -212,12 +215,12 @@ def layer_memory(name: str, layer: AttentionLayerConfig, seq: int) -> LayerMemor
     device = torch.device(layer.device)
     q, k, v, grad = layer.qkv(seq)
     inputs = sum(t.numel() * t.element_size() for t in (q, k, v, grad))
-    _forward_backward(name, q, k, v, grad)  # warm-up, see above
+    _forward_backward(name, q, k, v, grad, layer.by_hand)  # warm-up, see above
     q.grad = k.grad = v.grad = None
     baseline = allocator_baseline(device)
     tracker = CategoryTracker(device=device)
     with tracker:
-        out = attend(name, q, k, v)
+        out = attend(name, q, k, v, by_hand=layer.by_hand)
         out.backward(grad)
         del out
     peaks = tracker.peaks()
@@ -230,10 +233,10 @@ def layer_memory(name: str, layer: AttentionLayerConfig, seq: int) -> LayerMemor
     )
 
 
-def _forward_backward(name: str, q, k, v, grad) -> None:
+def _forward_backward(name: str, q, k, v, grad, by_hand=None) -> None:
     """One forward and backward of the attention, the inputs' gradients reset first."""
     q.grad = k.grad = v.grad = None
-    attend(name, q, k, v).backward(grad)
+    attend(name, q, k, v, by_hand=by_hand).backward(grad)
 
 
 def layer_memories(
@@ -265,7 +268,7 @@ def layer_time_rounds(
     device = torch.device(layer.device)
     out = {}
     for seq in progress(seqs, "timing lengths", unit="length"):
-        calls = {name: partial(_forward_backward, name, *layer.qkv(seq)) for name in names}
+        calls = {n: partial(_forward_backward, n, *layer.qkv(seq), layer.by_hand) for n in names}
         out[seq] = compare_calls(calls, device, warmup=warmup, rounds=rounds,
                                  claims=claims if seq == seqs[-1] else ())  # fmt: skip
     return out
@@ -287,18 +290,21 @@ def output_errors(
     device="cpu",
     heads: int = 4,
     causal: bool = True,
+    by_hand=None,
 ) -> OutputErrorsResult:
-    """Largest |output - exact| per implementation, exact = fp64 attention of the same inputs.
+    """Largest |output - exact| per implementation, exact = the attention of the same inputs in
+    fp64 (SDPA's math backend: the formula one operation at a time).
 
     The inputs are rounded to ``dtype`` first and the reference is computed from those
     rounded values, so the errors are the implementations' own arithmetic, nothing else.
+    ``by_hand`` is the attention written by hand, for "manual".
     """
     q, k, v, _ = make_qkv(1, heads, seq, head_dim, dtype, device, seed=1)
     with torch.no_grad():
-        exact = manual_attention(*(t.double().cpu() for t in (q, k, v)), causal=causal)
+        exact = sdpa_attention(*(t.double().cpu() for t in (q, k, v)), "sdpa-math", causal)
         errors = {}
         for name in names:
-            out = attend(name, q, k, v, causal).double().cpu()
+            out = attend(name, q, k, v, causal, by_hand).double().cpu()
             errors[name] = (out - exact).abs().max().item()
     return OutputErrorsResult(errors, v.abs().max().item())
 
