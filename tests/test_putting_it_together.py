@@ -176,19 +176,35 @@ def test_search_table_groups_the_planners_search_by_outcome():
 
 
 def test_your_model_plans_in_worker_processes_equal_the_plans_made_here():
-    from helpers.lessons.putting_it_together import _plans_on_cards, your_model_plans
+    from helpers.lessons.putting_it_together import (
+        LORA_R,
+        YOUR_SEQ_LEN,
+        _plans_on_cards,
+        your_model_plans,
+    )
+    from helpers.planner import plan_for_card
+    from tests.cells import cell_function
 
-    models, cards, methods = ("llama-tiny", "qwen3-tiny"), ("t4", "l4"), ("full",)
-    plans = your_model_plans(models, cards, methods, workers=2)
+    # Lesson 14's plan_for_card call, as its cell writes it; it travels to the workers by value.
+    plan_one = cell_function(
+        "14_putting_it_together.ipynb", "plan_your_model",
+        plan_for_card=plan_for_card, YOUR_SEQ_LEN=YOUR_SEQ_LEN, LORA_R=LORA_R,
+    )  # fmt: skip
+    models, cards, methods = ("llama-tiny", "qwen3-tiny"), ("t4", "l4"), ("full", "lora")
+    plans = your_model_plans(plan_one, models, cards, methods, workers=2)
     assert list(plans) == [(m, c, k) for m in models for c in cards for k in methods]
     here = {}
     for model in models:
         for method in methods:
-            here.update(_plans_on_cards(model, method, cards))
+            here.update(_plans_on_cards(plan_one, model, method, cards))
     for key, plan in plans.items():
         assert (plan.best.label, plan.best.estimated_peak, plan.reason) == (
             here[key].best.label, here[key].best.estimated_peak, here[key].reason,
         ), key  # fmt: skip
+    # The cell's settings reached the planner.
+    assert {(p.method, p.effective_batch, p.seq_len) for p in plans.values()} == {
+        (k, 2, YOUR_SEQ_LEN) for k in methods
+    }
 
 
 def test_the_pure_bf16_row_trains_every_tensor_in_bf16_and_has_no_v100_figures():

@@ -26,8 +26,9 @@ from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 from helpers.forkserver import context
 from helpers.hardware import REFERENCE_CARDS, precision_problem
+from helpers.isolate import arrived, portable
 from helpers.names import MiB
-from helpers.planner import BF16_FULL_UPDATE, OUTCOMES, card_precisions, plan_for_card
+from helpers.planner import BF16_FULL_UPDATE, OUTCOMES, card_precisions
 from helpers.plots import legend_outside, separate_labels
 from helpers.progress import progress, quiet_here
 from helpers.results import Record
@@ -282,7 +283,6 @@ SHORT = {
 YOUR_MODELS = ("qwen3-0.6b", "llama-3.2-1b")  # bundled real configs: a traced and an analytical
 YOUR_CARDS = ("t4", "l4")  # 16 GB (no bf16) and 24 GB (helpers.hardware.REFERENCE_CARDS)
 YOUR_SEQ_LEN = 1024
-YOUR_BATCH = 2  # effective batch: micro-batches 1 or 2 (each a trace per setting: time)
 LORA_R = 16  # LoRA rank on every Linear of the layers ("all-linear"), as in the QLoRA paper
 
 
@@ -302,20 +302,23 @@ def your_model_space(card, method: str = "full") -> dict:
     return {**space, "weights": weights[method]} if method in weights else space
 
 
-def your_model_plans(models=YOUR_MODELS, cards=YOUR_CARDS, methods=("full", "lora", "qlora"),
-                     workers: int | None = None):  # fmt: skip
-    """``plan_for_card`` for every model, card and method, keyed by those three.
+def your_model_plans(plan_one, models=YOUR_MODELS, cards=YOUR_CARDS,
+                     methods=("full", "lora", "qlora"), workers: int | None = None):  # fmt: skip
+    """``plan_one(model, card, method, **your_model_space(card, method))`` (lesson 14 writes it
+    in a cell: its ``plan_for_card`` call) for every model, card and method, keyed by those
+    three.
 
     Nothing here needs the others: each model and method is planned in a process of its own
-    (``workers`` at once, default one per core), where its cards share the traces (fp16 and
-    bf16 trace the same bytes). A traced estimate costs seconds of CPU, so on 2 cores this
-    takes about half the time of planning one after another.
+    (``workers`` at once, default one per core; ``plan_one`` travels by value), where its cards
+    share the traces (fp16 and bf16 trace the same bytes). A traced estimate costs seconds of
+    CPU, so on 2 cores this takes about half the time of planning one after another.
     """
     groups = [(model, method) for model in models for method in methods]
     workers = workers or max(1, min(len(groups), os.cpu_count() or 1))
+    sent = portable(plan_one, "plan_one")
     found = {}
     with ProcessPoolExecutor(workers, mp_context=context()) as pool:
-        futures = [pool.submit(_plans_on_cards, m, method, cards) for m, method in groups]
+        futures = [pool.submit(_plans_on_cards, sent, m, method, cards) for m, method in groups]
         for done in progress(as_completed(futures), "planning models and methods",
                              total=len(futures), unit="plan"):  # fmt: skip
             found.update(done.result())
@@ -323,16 +326,14 @@ def your_model_plans(models=YOUR_MODELS, cards=YOUR_CARDS, methods=("full", "lor
     return {key: found[key] for key in order}
 
 
-def _plans_on_cards(model, method: str, cards) -> dict:
+def _plans_on_cards(plan_one, model, method: str, cards) -> dict:
     """One model and method planned on each card, in a worker process (no bars of its own)."""
     quiet_here()
+    plan_one = arrived(plan_one)
     plans = {}
     for name in cards:
-        card = REFERENCE_CARDS[name]
-        plans[model, name, method] = plan_for_card(
-            model, card, YOUR_BATCH, YOUR_SEQ_LEN, method, LORA_R, "all-linear",
-            **your_model_space(card, method),
-        )  # fmt: skip
+        space = your_model_space(REFERENCE_CARDS[name], method)
+        plans[model, name, method] = plan_one(model, name, method, **space)
     return plans
 
 
