@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -27,9 +29,7 @@ from tests.plot_checks import figure_problems
 # Lesson 10's kernel detector, as its cell writes it (a TorchDispatchMode noting operators).
 attention_ops = cell_function("10_sdpa_flash_attention.ipynb", "attention_ops")
 # Its attention written by hand (section 1's cell): what the experiments run as "manual".
-by_hand = cell_function(
-    "10_sdpa_flash_attention.ipynb", "attention_by_hand", math=__import__("math")
-)
+by_hand = cell_function("10_sdpa_flash_attention.ipynb", "attention_by_hand", math=math)
 
 EAGER = ["manual", "hf-eager", "sdpa-math"]
 
