@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from helpers import isolate
+from helpers.compat import importable
 from helpers.estimator import describe_model, estimate, estimate_per_rank
 from helpers.estimator.parallel import fsdp_all_gathers, shard_rows, sharded, traffic
 from helpers.lessons import beyond_one_gpu as lesson
@@ -263,8 +264,49 @@ def test_fsdp_of_bf16_weights_per_rank_is_the_tracker():
         assert m["communication_buffers"] <= est.communication_buffers + est.gathered_params
         assert est.activations == pytest.approx(m["activations"], rel=0.10)
         assert est.peak == pytest.approx(m["peak"], rel=0.10), (est.peak, est.peak_at, m)
-    with pytest.raises(ValueError, match="no bf16_update yet"):
-        estimate_per_rank(CFG.model, 2, "fsdp", B, S, **kw, bf16_update="kahan")
+
+
+def _assert_per_rank(est, result) -> None:
+    """The state, the gathered units and the all-gather buffers exactly (the buffers: two
+    consecutive outputs, or one unit more, as above); activations and peak within 10%."""
+    assert [r.rank for r in result.ranks] == [0, 1]
+    for r in result.ranks:
+        m = r.memory
+        for key in ("params", "gradients", "optimizer_state", "gathered_params"):
+            assert getattr(est, key) == m[key], (key, getattr(est, key), m[key])
+        assert est.communication_buffers <= m["communication_buffers"]
+        assert m["communication_buffers"] <= est.communication_buffers + est.gathered_params
+        assert est.activations == pytest.approx(m["activations"], rel=0.10)
+        assert est.peak == pytest.approx(m["peak"], rel=0.10), (est.peak, est.peak_at, m)
+
+
+def test_fsdp_of_lora_with_selective_checkpointing_per_rank_is_the_tracker():
+    """LoRA adapters (fp32, as peft keeps them) on a frozen bf16 base, every layer checkpointed
+    with lesson 16's selective policy, under FSDP2 on 2 processes: the frozen and trained
+    shards, the adapters' gradients and AdamW state, the gathered units exactly; the walk
+    follows the trace's moments (the stage model has no exact LoRA account)."""
+    savers = dict(lora_r=4, lora_targets="all-linear", gradient_checkpointing=True,
+                  checkpoint_policy="selective", weight_dtype="bf16")  # fmt: skip
+    result = lesson.launch(replace(CFG, strategy="fsdp", launcher="accelerate",
+                                   mixed_precision="bf16", **savers))  # fmt: skip
+    est = estimate_per_rank(CFG.model, 2, "fsdp", B, S, device="cpu", precision="bf16", **savers)
+    info = describe_model(CFG.model, lora_r=4, lora_targets="all-linear", weight_dtype="bf16")
+    adapters = [sharded(p, 2) for p in info.params if p.trainable]
+    assert est.path == "traced" and est.gradients == sum(p.nbytes for p in adapters)
+    _assert_per_rank(est, result)
+
+
+@pytest.mark.skipif(not importable("optimi"), reason="torch-optimi is not installed")
+def test_fsdp_of_bf16_weights_with_kahan_summation_per_rank_is_the_tracker():
+    """torch-optimi's Kahan-summed AdamW over bf16 shards: its compensation buffer is sharded
+    with the moments (three bf16 numbers per weight; optimi counts steps per group, not per
+    tensor), exactly."""
+    kahan = dict(weight_dtype="bf16", bf16_update="kahan")
+    result = lesson.launch(replace(CFG, strategy="fsdp", launcher="accelerate",
+                                   mixed_precision="bf16", **kahan))  # fmt: skip
+    est = estimate_per_rank(CFG.model, 2, "fsdp", B, S, device="cpu", precision="bf16", **kahan)
+    assert est.optimizer_state == 3 * est.params  # exp_avg, exp_avg_sq, the Kahan buffer
+    _assert_per_rank(est, result)
 
 
 def test_fsdp_pads_each_tensor_to_equal_shares():
@@ -298,8 +340,31 @@ def test_ddp_per_rank_takes_the_settings_of_one_process():
     assert 0 < trained < info.n_params  # the adapters only
     assert ddp.communication_buffers == trained and ddp.peak == one.peak + trained
     assert (ddp.params, ddp.gradients) == (one.params, one.gradients)
-    with pytest.raises(ValueError, match="no lora_r, checkpoint_policy yet"):
-        estimate_per_rank("llama-tiny", 2, "fsdp", 2, 32, **kw)
+
+
+def test_fsdp_per_rank_walks_the_trace_for_what_only_the_trace_knows():
+    """Offloaded activations (a CUDA step's, on the host) and a family without a stage model:
+    the trace's walk, sharded. Offloading takes activations off every moment but the state
+    and the gathered units stay what they are."""
+    kw = dict(precision="bf16", weight_dtype="bf16", device="cuda")
+    kept = estimate_per_rank("llama-tiny", 2, "fsdp", 2, 32, **kw, path="traced")
+    off = estimate_per_rank("llama-tiny", 2, "fsdp", 2, 32, **kw, offload_activations=True)
+    assert off.path == kept.path == "traced"
+    assert (off.params, off.optimizer_state, off.gathered_params) == (
+        kept.params, kept.optimizer_state, kept.gathered_params)  # fmt: skip
+    assert off.activations < kept.activations and off.peak < kept.peak
+    qwen = [estimate_per_rank("qwen3-tiny", n, "fsdp", 2, 32, device="cpu") for n in (1, 2)]
+    assert qwen[0].path == "traced" and qwen[1].params < qwen[0].params
+    assert qwen[1].peak < qwen[0].peak
+
+
+def test_fsdp_per_rank_refuses_what_it_does_not_model():
+    with pytest.raises(ValueError, match="does not model QLoRA"):
+        estimate_per_rank("llama-tiny", 2, "fsdp", 2, 32, lora_r=4, qlora=True,
+                          precision="bf16")  # fmt: skip
+    with pytest.raises(ValueError, match="stochastic"):
+        estimate_per_rank("llama-tiny", 2, "fsdp", 2, 32, weight_dtype="bf16", precision="bf16",
+                          bf16_update="stochastic", device="cpu")  # fmt: skip
 
 
 def test_the_estimator_says_what_it_does_not_model():

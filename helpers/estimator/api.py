@@ -23,7 +23,7 @@ from helpers.estimator.qlora import qlora_estimate
 from helpers.estimator.simulate import Estimate, _simulate
 from helpers.estimator.stages import Moment, Stage, _Shape
 from helpers.estimator.state import optimizer_state_bytes, optimizer_step_temporaries
-from helpers.estimator.traced import step_name, trace_step
+from helpers.estimator.traced import Traced, step_name, trace_step
 from helpers.models import WEIGHT_TORCH_DTYPES, load_config
 from helpers.names import (
     ATTENTION,
@@ -248,16 +248,27 @@ PATHS = ("auto", "analytical", "traced")
 SIXTEEN_BIT_FAMILIES = ("decoder",)
 
 
-def _traced(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accum, device_type,
-            frozen_16bit=False, bf16_update="nearest", kept=("full", False)):  # fmt: skip
-    """A traced forward and backward plus the optimizer's exact state and step (traced.py);
-    ``kept``: the checkpoint policy and whether activations are offloaded."""
+def trace_of(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accum, device_type,
+             frozen_16bit=False, bf16_update="nearest", kept=("full", False),
+             ) -> Traced:  # fmt: skip
+    """``trace_step`` for a ModelInfo and ``estimate``'s setting: its adapters (rank and
+    targets) read from the ModelInfo's parameters. Cached with the trace, so the per-rank
+    estimator (``helpers.estimator.parallel``) reads the moments of the trace ``_traced`` used."""
     config = load_config({k: v for k, v in info.config.items() if k != EXPERTS_KEY})
     lora = [p for p in info.params if ".lora_A." in p.name]
     lora_r = lora[0].shape[0] if lora else 0
     targets = ",".join(sorted({p.name.split(".lora_A.")[0].rsplit(".", 1)[-1] for p in lora}))
-    t = trace_step(config, batch_size, seq_len, precision, gc, attn, grad_accum, device_type,
-                   lora_r, targets, frozen_16bit, optimizer, bf16_update, *kept)  # fmt: skip
+    return trace_step(config, batch_size, seq_len, precision, gc, attn, grad_accum, device_type,
+                      lora_r, targets, frozen_16bit, optimizer, bf16_update, *kept)  # fmt: skip
+
+
+def _traced(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accum, device_type,
+            frozen_16bit=False, bf16_update="nearest", kept=("full", False)):  # fmt: skip
+    """A traced forward and backward plus the optimizer's exact state and step (traced.py);
+    ``kept``: the checkpoint policy and whether activations are offloaded."""
+    t = trace_of(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accum,
+                 device_type, frozen_16bit, bf16_update, kept)  # fmt: skip
+    config = load_config({k: v for k, v in info.config.items() if k != EXPERTS_KEY})
     traced_step = t.steps.get(step_name(optimizer, bf16_update))
     if traced_step is not None:  # the CPU: the optimizer's step was traced too
         opt_state, opt_temp = traced_step.optimizer_state, traced_step.temporaries

@@ -22,17 +22,26 @@ FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every parameter on its fir
     backward gathers it again and reduce-scatters its gradients into shares. The head unit
     and the root stay gathered from forward to backward. FSDP2 keeps each all-gather's buffer
     until the next all-gather is issued. The step is the one-process step walked moment by
-    moment (``estimate(..., moments=...)``, the analytical stage model) with the model state
-    replaced by its shares, plus, at each moment, the unit computing (gathered) and its
-    all-gather buffer, and the root throughout. Gradients already reduce-scattered count
-    whole and the buffer is kept through the unit, so the peak errs high (checked against
-    FSDPMemTracker in tests/test_beyond_one_gpu.py and lesson 17).
+    moment with the model state replaced by its shares, plus, at each moment, the unit
+    computing (gathered) and its all-gather buffer, and the root throughout. Gradients
+    already reduce-scattered count whole and the buffer is kept through the unit, so the
+    peak errs high (checked against FSDPMemTracker in tests/test_beyond_one_gpu.py and
+    lesson 17). The walk is the analytical stage model's (``estimate(..., moments=...)``;
+    lesson 16's optimizer step in backward and chunked loss need it) or, for what only the
+    trace knows (LoRA adapters, selective checkpointing, offloaded activations, families
+    without a stage model), the trace's moments (``Traced.moments``), where the unit of a
+    moment between layers is the larger it could be.
 
-The shards, gradients, optimizer state and gathered copies are the parameters' dtype: fp32,
-or bf16 with ``weight_dtype="bf16"`` (the model built in bf16, as ``fully_shard`` without a
-``MixedPrecisionPolicy`` keeps it; tests/test_beyond_one_gpu.py measures both). Over fp32
-weights with a ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` (Accelerate's mixed
-precision on GPUs), FSDP2 gathers 16-bit copies of fp32 shards instead: not modelled here.
+Every setting of ``estimate`` is taken but QLoRA (FSDP2 shards 4-bit weights packed into
+``bnb_4bit_quant_storage`` tensors, never measured here) and, on a CPU, torchao's
+stochastic-rounding AdamW (its eager step's scratch is known from an unsharded trace only):
+both refused with the reason. The shards, gradients, optimizer state and gathered copies are
+the parameters' dtype: fp32, or bf16 with ``weight_dtype="bf16"`` (the model built in bf16,
+as ``fully_shard`` without a ``MixedPrecisionPolicy`` keeps it); LoRA's adapters stay fp32
+on a bf16 base, as peft keeps them. tests/test_beyond_one_gpu.py measures fp32, bf16, bf16
+with Kahan summation, and LoRA on a bf16 base with selective checkpointing, on 2 processes.
+Over fp32 weights with a ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` (Accelerate's
+mixed precision on GPUs), FSDP2 gathers 16-bit copies of fp32 shards instead: not modelled.
 
 ``traffic(model, world_size, batch_size, seq_len)`` counts, from the model, the bytes each
 scheme moves between devices in one optimizer step: ``torch.nn.DataParallel`` (one process,
@@ -51,8 +60,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from helpers.device import allocation_bytes, resolve
-from helpers.estimator.api import estimate
-from helpers.estimator.model import EXPERTS_KEY, FP32, ModelInfo, ParamInfo, describe_model
+from helpers.estimator.api import SIXTEEN_BIT_FAMILIES, estimate, trace_of
+from helpers.estimator.model import (
+    EXPERTS_KEY,
+    FP32,
+    TRACED,
+    ModelInfo,
+    ParamInfo,
+    describe_model,
+)
 from helpers.estimator.simulate import Estimate
 from helpers.estimator.state import optimizer_state_bytes, optimizer_step_temporaries
 from helpers.models import ENCODER_TYPES, build_model, load_config
@@ -71,9 +87,9 @@ class RankEstimate(Estimate):
     communication_buffers: int = 0  # DDP: gradient buckets; FSDP: all-gather outputs at once
 
 
-# Settings the FSDP walk does not model yet, at the value it does (DDP takes them all).
-FSDP_PLAIN = {"lora_r": 0, "qlora": False, "bf16_update": "nearest", "checkpoint_policy": "full",
-              "offload_activations": False}  # fmt: skip
+# Settings whose FSDP walk follows the trace's moments (the stage model's otherwise): at
+# these values the stage model walks the step.
+FSDP_ANALYTICAL = {"lora_r": 0, "checkpoint_policy": "full", "offload_activations": False}
 
 
 def estimate_per_rank(
@@ -82,10 +98,16 @@ def estimate_per_rank(
     """Predicted bytes of one process of ``world_size``, each with ``batch_size`` samples.
 
     ``strategy``: "ddp" or "fsdp" (see the module doc). ``estimate_kwargs`` are
-    ``helpers.estimator.estimate``'s (precision, optimizer, device, ...). FSDP is walked on the
-    analytical stage model (BERT, Llama, Mistral, Qwen2, Mixtral) and needs an optimizer
-    whose state is elementwise (adamw, sgd): Adafactor's factored state and bitsandbytes'
-    8-bit state are not defined on sharded tensors the same way.
+    ``helpers.estimator.estimate``'s (precision, optimizer, device, lora_r, weight_dtype,
+    checkpoint_policy, ...). FSDP needs an optimizer whose state is elementwise (adamw, sgd):
+    Adafactor's factored state and bitsandbytes' 8-bit state are not defined on sharded
+    tensors the same way; it refuses QLoRA, and torchao's stochastic rounding on a CPU.
+
+    Example::
+
+        estimate_per_rank("llama-3.1-8b", 8, "fsdp", 1, 4096, precision="bf16",
+                          weight_dtype="bf16", lora_r=16, lora_targets="all-linear",
+                          gradient_checkpointing=True, device="cuda").peak
     """
     if strategy not in PARALLEL_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: use one of {PARALLEL_STRATEGIES}")
@@ -100,17 +122,46 @@ def estimate_per_rank(
     optimizer = estimate_kwargs.get("optimizer", "adamw")
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"the FSDP estimate models adamw and sgd, not {optimizer!r}")
-    unmodelled = [k for k, plain in FSDP_PLAIN.items() if kw.get(k, plain) != plain]
-    if unmodelled:
-        names = ", ".join(unmodelled)
+    device_type = _device_type(estimate_kwargs)
+    _refuse_for_fsdp(kw, device_type)
+    if _fsdp_walk(info, kw) == "analytical":
+        moments: list = []
+        kwargs = {**estimate_kwargs, "path": "analytical"}
+        one = estimate(info, batch_size, seq_len, moments=moments, **kwargs)
+        bf16_update = kw.get("bf16_update", "nearest")
+        return _fsdp(one, info, world_size, optimizer, moments, device_type, bf16_update)
+    one = estimate(info, batch_size, seq_len, **{**estimate_kwargs, "path": "traced"})
+    return _fsdp_traced(one, info, world_size, batch_size, seq_len, device_type, kw)
+
+
+def _refuse_for_fsdp(kw: dict, device_type: str) -> None:
+    """ValueError, saying what to do, for a setting the FSDP walk does not model."""
+    if kw.get("qlora"):
         raise ValueError(
-            f"the FSDP estimate walks the analytical stage model, which has no {names} yet: "
-            "leave them at their defaults or estimate DDP"
+            "the FSDP estimate does not model QLoRA: FSDP2 shards 4-bit weights packed into "
+            "bnb_4bit_quant_storage tensors, which this course has not measured; estimate DDP "
+            "(strategy='ddp') or one process"
         )
-    moments: list = []
-    kwargs = {**estimate_kwargs, "path": "analytical"}
-    one = estimate(info, batch_size, seq_len, moments=moments, **kwargs)
-    return _fsdp(one, info, world_size, optimizer, moments, _device_type(estimate_kwargs))
+    if kw.get("bf16_update") == "stochastic" and device_type == "cpu":
+        raise ValueError(
+            "torchao's stochastic-rounding step on a CPU allocates scratch that only its "
+            "unsharded trace knows: estimate FSDP with bf16_update 'stochastic' for "
+            "device='cuda', or 'kahan' / 'nearest' on the CPU"
+        )
+
+
+def _fsdp_walk(info: ModelInfo, kw: dict) -> str:
+    """Which one-process walk the FSDP estimate shards: "analytical" (the stage model's
+    moments, lesson 16's savers included) or "traced" (the trace's moments: LoRA, selective
+    checkpointing, offloaded activations, and families without a stage model)."""
+    path = kw.get("path", "auto")
+    if path != "auto":
+        return path
+    if kw.get("optimizer_in_backward") or kw.get("loss_chunk") or kw.get("moments") is not None:
+        return "analytical"
+    plain = all(kw.get(k, v) == v for k, v in FSDP_ANALYTICAL.items())
+    sixteen = info.weight_dtype == "fp32" or info.family in SIXTEEN_BIT_FAMILIES
+    return "analytical" if plain and info.family != TRACED and sixteen else "traced"
 
 
 def _device_type(kwargs: dict) -> str:
@@ -181,7 +232,10 @@ def fsdp_units(model) -> list[FsdpUnit]:
 
 
 def _final_norm(model):
-    """The last normalisation among the base model's direct children (Accelerate's rule)."""
+    """The last normalisation among the base model's direct children (Accelerate's rule);
+    a LoRA model's (peft's ``PeftModel``) is its base model's."""
+    unwrap = getattr(model, "get_base_model", None)
+    model = unwrap() if callable(unwrap) else model
     base = getattr(model, getattr(model, "base_model_prefix", ""), model)
     norms = [m for m in base.children() if "Norm" in type(m).__name__]
     return norms[-1] if norms else None
@@ -193,8 +247,23 @@ def fsdp_groups(info: ModelInfo) -> dict[str, list[ParamInfo]]:
     owner, _ = _units_of(_config_key(info.config))
     groups: dict[str, list[ParamInfo]] = {}
     for p in info.params:
-        groups.setdefault(owner.get(p.name, "root"), []).append(p)
+        groups.setdefault(_unit_of(p.name, owner), []).append(p)
     return groups
+
+
+_PEFT_PREFIX = "base_model.model."  # peft's PeftModel and LoraModel around the model
+
+
+def _unit_of(name: str, owner: dict[str, str]) -> str:
+    """The unit of the parameter ``name``: that of the innermost module a unit holds among
+    its parents (a LoRA model's names too: peft's prefix dropped, its adapters and
+    ``base_layer`` inside the module they adapt); "root" if none."""
+    parts = name.removeprefix(_PEFT_PREFIX).split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        unit = owner.get(".".join(parts[:i]))
+        if unit is not None:
+            return unit
+    return "root"
 
 
 def _config_key(config: dict) -> str:
@@ -205,13 +274,13 @@ def _config_key(config: dict) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _units_of(config_json: str) -> tuple[dict[str, str], dict[str, bool]]:
-    """Parameter name -> FSDP2 unit, and unit -> reshard after forward, from the model built
-    on the meta device."""
+    """Module name -> FSDP2 unit (the modules each unit shards, the root aside), and unit ->
+    reshard after forward, from the model built on the meta device."""
     with torch.device("meta"):
         net = build_model(load_config(json.loads(config_json)))
     units = fsdp_units(net)
-    owner = {id(p): u.name for u in units[:-1] for m in u.modules for p in m.parameters()}
-    names = {name: owner[id(p)] for name, p in net.named_parameters() if id(p) in owner}
+    owner = {id(m): u.name for u in units[:-1] for m in u.modules}
+    names = {name: owner[id(m)] for name, m in net.named_modules() if id(m) in owner}
     return names, {u.name: u.reshard_after_forward for u in units}
 
 
@@ -221,19 +290,54 @@ def _gathered_bytes(params: list[ParamInfo], world_size: int, device_type: str) 
                for p in params)  # fmt: skip
 
 
-def _fsdp(one, info, world_size, optimizer, moments, device_type) -> RankEstimate:
-    """The one-process walk with the model state sharded and the gathered units added."""
+@dataclass(frozen=True)
+class _Shards:
+    """One process's share of the model state, and the units gathered whole, in bytes."""
+
+    params: int
+    gradients: int
+    optimizer_state: int
+    step_temporaries: int  # the optimizer step's scratch over the shards
+    gathered: dict  # unit name -> bytes gathered whole ("root" included)
+
+
+def _shards(info, world_size, optimizer, device_type, bf16_update="nearest") -> _Shards:
+    """The sharded parameters, gradients, optimizer state and step scratch of ``info``."""
     shards = [sharded(p, world_size) for p in info.params]
     trainable = [p for p in shards if p.trainable]
 
     def nbytes(params):
         return sum(allocation_bytes(p.nbytes, device_type) for p in params)
 
-    params, grads = nbytes(shards), nbytes(trainable)
-    opt = optimizer_state_bytes(optimizer, trainable, device_type)
-    opt_temp = optimizer_step_temporaries(optimizer, trainable, device_type)
-    gathered = {k: _gathered_bytes(v, world_size, device_type)
-                for k, v in fsdp_groups(info).items()}  # fmt: skip
+    temporaries = optimizer_step_temporaries(optimizer, trainable, device_type, bf16_update)
+    groups = fsdp_groups(info)
+    return _Shards(
+        params=nbytes(shards),
+        gradients=nbytes(trainable),
+        optimizer_state=optimizer_state_bytes(optimizer, trainable, device_type, bf16_update),
+        step_temporaries=temporaries,
+        gathered={k: _gathered_bytes(v, world_size, device_type) for k, v in groups.items()},
+    )
+
+
+def _rank_estimate(one, info, world_size, sh: _Shards, peak: int, where: str) -> RankEstimate:
+    """``one`` (the one-process estimate) with the sharded state, the peak of the sharded walk
+    and what FSDP adds: the root and the largest unit gathered, two all-gather outputs."""
+    fields = {k: v for k, v in one.as_dict().items()}
+    fields.update(params=sh.params, gradients=sh.gradients, optimizer_state=sh.optimizer_state,
+                  peak=peak, peak_at=where)  # fmt: skip
+    root = sh.gathered.get("root", 0)
+    units = [v for k, v in sh.gathered.items() if k != "root"]
+    return RankEstimate(**fields, world_size=world_size, strategy="fsdp",
+                        gathered_params=root + max(units, default=0),
+                        communication_buffers=_all_gather_pairs(info, sh.gathered))  # fmt: skip
+
+
+def _fsdp(one, info, world_size, optimizer, moments, device_type, bf16_update) -> RankEstimate:
+    """The one-process walk with the model state sharded and the gathered units added."""
+    sh = _shards(info, world_size, optimizer, device_type, bf16_update)
+    params, grads, opt, opt_temp = sh.params, sh.gradients, sh.optimizer_state, sh.step_temporaries
+    gathered = sh.gathered
     root = gathered.get("root", 0)
     state = params + info.buffer_bytes + opt
     at_stage = _stage_units(info, gathered)
@@ -247,12 +351,50 @@ def _fsdp(one, info, world_size, optimizer, moments, device_type) -> RankEstimat
             total += 2 * at_stage.get(stage, at_stage.get(stage.split(".")[0], 0))
         if total > peak:
             peak, where = total, m.label
-    fields = {k: v for k, v in one.as_dict().items()}
-    fields.update(params=params, gradients=grads, optimizer_state=opt, peak=peak, peak_at=where)
-    units = [v for k, v in gathered.items() if k != "root"]
-    return RankEstimate(**fields, world_size=world_size, strategy="fsdp",
-                        gathered_params=root + max(units, default=0),
-                        communication_buffers=_all_gather_pairs(info, gathered))  # fmt: skip
+    return _rank_estimate(one, info, world_size, sh, peak, where)
+
+
+def _fsdp_traced(one, info, world_size, batch_size, seq_len, device_type, kw) -> RankEstimate:
+    """The trace's walk (``Traced.moments``) with the model state sharded and, at each
+    moment, the root and the unit computing gathered with its all-gather buffer: a layer's
+    within a layer; the head's (final norm, head, loss) after the last layer; before the
+    first layer and between layers, the larger of the input embedding's and a layer's (the
+    trace's moments do not tell the two apart). As in the stage model's walk, gradients
+    already reduce-scattered count whole, so the peak errs high."""
+    optimizer = kw.get("optimizer", "adamw")
+    bf16_update = kw.get("bf16_update", "nearest")
+    sh = _shards(info, world_size, optimizer, device_type, bf16_update)
+    t = trace_of(info, batch_size, seq_len, kw.get("precision", "fp32"), optimizer,
+                 kw.get("gradient_checkpointing", False), kw.get("attn", "eager"),
+                 kw.get("grad_accum", 1), device_type, info.weight_dtype != "fp32", bf16_update,
+                 (kw.get("checkpoint_policy", "full"), kw.get("offload_activations", False)),
+                 )  # fmt: skip
+    root = sh.gathered.get("root", 0)
+    layers = max((v for k, v in sh.gathered.items() if k not in _NOT_LAYERS), default=0)
+    front = sh.gathered.get("embed", sh.gathered.get("tail", 0))  # tied: the head's unit
+    units = {"": max(front, layers), "first": max(front, layers), "middle": layers,
+             "last": sh.gathered.get("tail", 0)}  # fmt: skip
+    n = info.config.get("num_hidden_layers", 0)
+    state = sh.params + sh.optimizer_state
+    peak, where = sh.params + t.buffers + sh.optimizer_state + sh.gradients, "optimizer step"
+    peak += sh.step_temporaries + t.leftovers
+    for (phase, _, role, last), row in t.moments:
+        if phase == "optimizer step":
+            continue
+        unit = layers if role else units[last]
+        total = row["total"] - row["params"] + state + root + 2 * unit
+        if total > peak:
+            peak, where = total, f"{phase}: {_where(role, last, n)}"
+    return _rank_estimate(one, info, world_size, sh, peak, where)
+
+
+_NOT_LAYERS = ("embed", "tail", "root")
+
+
+def _where(role: str, last: str, n: int) -> str:
+    """A traced moment in words: the layer running, or the last one seen."""
+    layer = {"first": "layer 0", "middle": "a middle layer", "last": f"layer {n - 1}"}
+    return layer[role] if role else f"after {layer[last]}" if last else "model"
 
 
 def _stage_units(info: ModelInfo, gathered: dict[str, int]) -> dict[str, int]:

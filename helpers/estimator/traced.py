@@ -124,6 +124,9 @@ class Traced:
     peak_at: str
     leftovers: int  # held besides the model state when the optimizer runs (the loss tensors)
     steps: dict[str, StepBytes]  # the optimizer steps traced (CPU, on request: trace_step)
+    # Each moment's maxima (``_MomentTracker``): ((phase, micro-batch, layer role, last layer
+    # role), {category: bytes, "total": bytes}); an extrapolated trace has no middle layers.
+    moments: tuple = ()
 
 
 class CudaSemantics(TorchFunctionMode):
@@ -409,6 +412,7 @@ def _trace(config, b, s, precision, gc, attn, accum, device_type, lora_r, lora_t
         peak_at=tracker.peak_where,
         leftovers=at_step.leftovers,
         steps={},
+        moments=tuple(tracker.moments.items()),
     )
     return traced, tracker.moments, kept
 
@@ -551,6 +555,7 @@ def _extrapolate(base: Traced, m0: dict, lines: list, n: int) -> Traced:
         peak_at=_moment_name(top, n),
         leftovers=line(base.leftovers, [(t.leftovers, x) for t, _, x in lines]),
         steps={},
+        moments=tuple(rows.items()),
     )
 
 

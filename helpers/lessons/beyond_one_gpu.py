@@ -64,6 +64,8 @@ from helpers.lessons.accelerate_loop import (
     loop_parts,
 )
 from helpers.memory import fsdp_category_tracker
+from helpers.memory_savers import selective_context_fn
+from helpers.models import apply_lora, enable_checkpointing
 from helpers.names import MiB
 from helpers.plots import CATEGORY_COLORS, category_labels, legend_outside
 from helpers.quiet import quiet_libraries
@@ -99,6 +101,13 @@ class ParallelConfig:
     mixed_precision: str = "no"  # Accelerator's names; "no" keeps every category 4 B/number
     weight_dtype: str = "fp32"  # "bf16": weights, gradients and AdamW's state in 2 B/number
     optimizer: str = "adamw"
+    bf16_update: str = "nearest"  # bf16 weights' AdamW (RunConfig's): nearest | stochastic | kahan
+    # RunConfig's savers, applied before sharding: LoRA adapters (rank; peft's targets) on the
+    # frozen model, activation checkpointing of every layer with RunConfig's policy.
+    lora_r: int = 0
+    lora_targets: str = ""
+    gradient_checkpointing: bool = False
+    checkpoint_policy: str = "full"  # "full" | "selective" (lesson 16's save_matmuls)
     max_steps: int = 4  # optimizer steps
     # DDP rebuilds its buckets in step 1 (in the order backward produced the gradients), so
     # step 2 is the first steady one: its collectives are counted (and DDP's buckets kept),
@@ -112,8 +121,9 @@ class ParallelConfig:
     timeout: float = 300.0  # seconds for the whole launch
 
     def loop_config(self, cpu: bool) -> LoopConfig:
-        """Lesson 07's LoopConfig for one process: no accumulation or checkpointing, so a
-        step is one forward and one backward and its categories compare to the estimator's."""
+        """Lesson 07's LoopConfig for one process: no accumulation, so a step is one forward
+        and one backward and its categories compare to the estimator's (checkpointing, with
+        its policy, and LoRA are applied by ``_prepare_rank``)."""
         return LoopConfig(
             model=self.model, per_device_train_batch_size=self.per_device_train_batch_size,
             gradient_accumulation_steps=1, seq_len=self.seq_len,
@@ -378,15 +388,18 @@ def _prepare_rank(cfg: ParallelConfig):
             os.environ.setdefault(key, value)  # accelerate launch may have set them already
     loop_cfg = cfg.loop_config(cpu=placement.device.type == "cpu")
     model, optimizer, loader, scheduler = loop_parts(loop_cfg, world)
+    model = _with_savers(model, cfg)
     rank = int(os.environ.get("RANK", "0"))
     if by_hand:
-        # Shard first, then make the optimizer (and its schedule) on the shards, as loop_parts
-        # makes them; the ones loop_parts made on the whole parameters, never stepped and
-        # holding no state, are dropped.
         shard_by_hand(model)
-        optimizer = make_optimizer(loop_cfg.optimizer, model, lr=loop_cfg.learning_rate)
-        scheduler = get_constant_schedule(optimizer)
         loader = rank_loader(loader, rank, world)
+    if by_hand or cfg.lora_r or cfg.bf16_update != "nearest":
+        # Make the optimizer (and its schedule) on the parameters it will update: the shards
+        # (after sharding, as the FSDP2 docs ask), the adapters, bf16_update's AdamW. The ones
+        # loop_parts made, never stepped and holding no state, are dropped.
+        optimizer = make_optimizer(loop_cfg.optimizer, model, lr=loop_cfg.learning_rate,
+                                   bf16_update=cfg.bf16_update)  # fmt: skip
+        scheduler = get_constant_schedule(optimizer)
     result = RankResult(
         rank=rank, world_size=world, strategy=strategy, backend=placement.backend * (world > 1),
         device=str(placement.device), n_params=sum(p.numel() for p in model.parameters()),
@@ -395,6 +408,17 @@ def _prepare_rank(cfg: ParallelConfig):
     )  # fmt: skip
     meter = RankMeter(cfg.track_step, LoopResult(), strategy=strategy, root=model)
     return loop_cfg, (model, optimizer, loader, scheduler), result, meter, by_hand
+
+
+def _with_savers(model: torch.nn.Module, cfg: ParallelConfig) -> torch.nn.Module:
+    """``model`` with ``cfg``'s activation checkpointing (and policy) and LoRA adapters, as
+    ``RunConfig`` applies them (``helpers.train``)."""
+    if cfg.gradient_checkpointing:
+        selective = cfg.checkpoint_policy == "selective"
+        enable_checkpointing(model, selective_context_fn() if selective else None)
+    if cfg.lora_r:
+        model = apply_lora(model, cfg.lora_r, cfg.lora_targets)
+    return model
 
 
 def rank_train(cfg: ParallelConfig) -> RankResult:
