@@ -11,9 +11,11 @@ https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html, and tuto
 Started with Fully Sharded Data Parallel (FSDP2)",
 https://docs.pytorch.org/tutorials/intermediate/FSDP_tutorial.html. In the Trainer, under
 torchrun: `TrainingArguments(fsdp="full_shard", fsdp_config={"version": 2})`.
-`python recipes/fsdp2.py` runs a world of one: it sets torchrun's variables itself.
+`python recipes/fsdp2.py` runs a world of one: it sets torchrun's variables itself. `--bf16`
+adds FSDP2's mixed precision (MixedPrecisionPolicy), `--checkpointing` activation
+checkpointing, `--save DIR` a distributed checkpoint (torch.distributed.checkpoint).
 
-    torchrun --nproc-per-node 8 recipes/fsdp2.py --size 1b --batch-size 4 --seq-len 1024
+    torchrun --nproc-per-node 8 recipes/fsdp2.py --size 1b --batch-size 4 --seq-len 1024 --bf16
     torchrun --nproc-per-node 2 recipes/fsdp2.py --device cpu    # two CPU processes, gloo
 """
 
@@ -47,6 +49,14 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--attn", default="sdpa", help="attention implementation (sdpa, eager)")
     p.add_argument("--device", help="cpu, cuda, mps... (default: the accelerator, if any)")
+    # >>> FSDP2: mixed precision, activation checkpointing, clipping, a distributed checkpoint
+    p.add_argument("--bf16", action="store_true", help="bf16 compute and all-gathers, fp32 shards")
+    p.add_argument(
+        "--checkpointing", action="store_true", help="recompute each layer's activations"
+    )
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--save", help="a folder: save a distributed checkpoint (DCP) after training")
+    # <<<
     return p.parse_args(argv)
 
 
@@ -102,14 +112,23 @@ def build(args):
     data = CopyTask(args.batch_size * args.steps * world, args.seq_len, model.config.vocab_size)
     sampler = torch.utils.data.DistributedSampler(data, shuffle=True)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
+    # Checkpointing first, then sharding (torchtitan's order: activation checkpointing,
+    # compile, FSDP), so each unit's recomputation runs on its gathered weights.
+    if args.checkpointing:  # transformers 5.2x's name; older ones: gradient_checkpointing_enable
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
     # Shard each decoder layer (the unit gathered at a time), then the root (embeddings, final
     # norm, head). Every process built the same weights (seed 0); each now keeps 1/N of them,
     # as DTensors. The base's optimizer, made next, must see these sharded parameters.
-    from torch.distributed.fsdp import fully_shard  # public since torch 2.6
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # public since 2.6
 
+    # --bf16: the shards, gradients and AdamW state stay fp32; each unit is gathered in bf16
+    # (half the bytes moved and held) and computes in bf16; gradients are reduced in fp32.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = mp if args.bf16 else MixedPrecisionPolicy()
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     # <<<
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     return model, optimizer, loader, device
@@ -127,6 +146,10 @@ def train(args, model, optimizer, loader, device):
         batch = {k: v.to(device) for k, v in batch.items()}
         loss = model(**batch).loss
         loss.backward()
+        # >>> FSDP2: clip the norm of the whole gradient; the shards are DTensors, so the norm
+        # is summed over every process's shards (one all-reduce)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        # <<<
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss = loss.item()  # waits for the device, so the step's time is complete
@@ -161,6 +184,16 @@ def main(argv=None):
     model, optimizer, loader, device = build(args)
     times = train(args, model, optimizer, loader, device)
     report(args, times, device)
+    # >>> FSDP2: a distributed checkpoint: every process writes its own shards of the model
+    # and optimizer state, in parallel (torch.distributed.checkpoint, "DCP"); dcp.load with
+    # set_state_dict reads it back into any number of processes.
+    if args.save:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=args.save)
+    # <<<
     # >>> FSDP2: leave the process group
     torch.distributed.destroy_process_group()
     # <<<

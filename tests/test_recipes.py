@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers.compat import importable
 
@@ -155,6 +156,31 @@ def test_a_recipe_trains_with_its_defaults(name, tmp_path, monkeypatch):
     args = ("--steps", "2", "--device", "cpu")
     out = run_launched(name, *args) if name in LAUNCHED else run_here(name, *args)
     assert "step 2" in out and "tokens/s" in out, out
+
+
+def test_fsdp2_in_bf16_with_checkpointing_saves_a_distributed_checkpoint(tmp_path):
+    """recipes/fsdp2.py --bf16 --checkpointing --save on two CPU processes: each writes its
+    shards; read back whole (DCP's offline converter), the weights are every parameter at its
+    full shape and still fp32 (MixedPrecisionPolicy computes in bf16 over fp32 shards), with
+    AdamW's state beside them."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from helpers.models import build_model, load_config
+
+    folder = tmp_path / "dcp"
+    out = run_launched("fsdp2", "--steps", "2", "--device", "cpu", "--bf16", "--checkpointing",
+                       "--save", str(folder))  # fmt: skip
+    assert "step 2" in out
+    assert sorted(p.name for p in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    dcp_to_torch_save(folder, tmp_path / "whole.pt")
+    saved = torch.load(tmp_path / "whole.pt", weights_only=False)
+    model = build_model(load_config("llama-tiny"))
+    weights = {k: v for k, v in saved["model"].items()}
+    assert {k: tuple(v.shape) for k, v in weights.items()} == {
+        k: tuple(v.shape) for k, v in model.state_dict().items() if "rotary" not in k
+    }
+    assert {v.dtype for v in weights.values()} == {torch.float32}
+    assert len(saved["optimizer"]["state"]) == len(weights)  # exp_avg, exp_avg_sq, step each
 
 
 @pytest.fixture(scope="module")
