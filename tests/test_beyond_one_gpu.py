@@ -296,6 +296,26 @@ def test_fsdp_of_lora_with_selective_checkpointing_per_rank_is_the_tracker():
     _assert_per_rank(est, result)
 
 
+def test_fsdp_mixed_precision_policy_per_rank_is_the_tracker():
+    """FSDP2's MixedPrecisionPolicy (bf16 params, fp32 reduction) over fp32 weights: shards,
+    gradients and AdamW state stay fp32, the units are gathered in bf16 (half the bytes), to
+    the byte; activations as a bf16 model's; the peak within 10 % with the backward's fp32
+    reduce-scatter input counted."""
+    result = lesson.launch(replace(CFG, strategy="fsdp", launcher="accelerate",
+                                   param_dtype="bf16"))  # fmt: skip
+    est = estimate_per_rank(CFG.model, 2, "fsdp", B, S, device="cpu", param_dtype="bf16")
+    fp32 = estimate_per_rank(CFG.model, 2, "fsdp", B, S, device="cpu")
+    for key in ("params", "gradients", "optimizer_state"):
+        assert getattr(est, key) == getattr(fp32, key), key
+    assert 2 * est.gathered_params == fp32.gathered_params
+    _assert_per_rank(est, result)
+    with pytest.raises(ValueError, match="strategy 'fsdp'"):
+        estimate_per_rank(CFG.model, 2, "ddp", B, S, param_dtype="bf16")
+    with pytest.raises(ValueError, match="leave weight_dtype fp32"):
+        estimate_per_rank(CFG.model, 2, "fsdp", B, S, param_dtype="bf16", weight_dtype="bf16",
+                          precision="bf16")  # fmt: skip
+
+
 @pytest.mark.skipif(not importable("optimi"), reason="torch-optimi is not installed")
 def test_fsdp_of_bf16_weights_with_kahan_summation_per_rank_is_the_tracker():
     """torch-optimi's Kahan-summed AdamW over bf16 shards: its compensation buffer is sharded

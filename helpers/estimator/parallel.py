@@ -93,8 +93,9 @@ FSDP_ANALYTICAL = {"lora_r": 0, "checkpoint_policy": "full", "offload_activation
 
 
 def estimate_per_rank(
-    model, world_size: int, strategy: str, batch_size: int, seq_len: int, **estimate_kwargs
-) -> RankEstimate:
+    model, world_size: int, strategy: str, batch_size: int, seq_len: int,
+    param_dtype: str = "", **estimate_kwargs,
+) -> RankEstimate:  # fmt: skip
     """Predicted bytes of one process of ``world_size``, each with ``batch_size`` samples.
 
     ``strategy``: "ddp" or "fsdp" (see the module doc). ``estimate_kwargs`` are
@@ -102,6 +103,10 @@ def estimate_per_rank(
     checkpoint_policy, ...). FSDP needs an optimizer whose state is elementwise (adamw, sgd):
     Adafactor's factored state and bitsandbytes' 8-bit state are not defined on sharded
     tensors the same way; it refuses QLoRA, and torchao's stochastic rounding on a CPU.
+    ``param_dtype="bf16"``: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+    reduce_dtype=torch.float32)`` over fp32 weights: the shards, their gradients and the
+    optimizer state stay fp32, each unit is gathered (and computes) in bf16, as a bf16 model
+    would (the walk is the bf16 one-process step's).
 
     Example::
 
@@ -114,6 +119,11 @@ def estimate_per_rank(
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
     kw = estimate_kwargs
+    state_info = None  # the shards' dtype, when the units compute in another (param_dtype)
+    if param_dtype:
+        kw = estimate_kwargs = _mixed_precision(param_dtype, strategy, estimate_kwargs)
+        state_info = describe_model(model, kw.get("attn", "eager"), kw.get("lora_r", 0),
+                                    kw.get("lora_targets", ""), "fp32")  # fmt: skip
     info = describe_model(model, kw.get("attn", "eager"), kw.get("lora_r", 0),
                           kw.get("lora_targets", ""), kw.get("weight_dtype", "fp32"))  # fmt: skip
     if strategy == "ddp":
@@ -129,9 +139,29 @@ def estimate_per_rank(
         kwargs = {**estimate_kwargs, "path": "analytical"}
         one = estimate(info, batch_size, seq_len, moments=moments, **kwargs)
         bf16_update = kw.get("bf16_update", "nearest")
-        return _fsdp(one, info, world_size, optimizer, moments, device_type, bf16_update)
+        sh = _shards(info, world_size, optimizer, device_type, bf16_update, state_info)
+        return _fsdp(one, info, world_size, moments, sh)
     one = estimate(info, batch_size, seq_len, **{**estimate_kwargs, "path": "traced"})
-    return _fsdp_traced(one, info, world_size, batch_size, seq_len, device_type, kw)
+    return _fsdp_traced(one, info, world_size, batch_size, seq_len, device_type, kw, state_info)
+
+
+def _mixed_precision(param_dtype: str, strategy: str, kw: dict) -> dict:
+    """``estimate``'s keyword arguments for the step a ``MixedPrecisionPolicy`` computes: bf16
+    weights (the gathered units) and bf16 compute; ValueError, saying why, where it does not
+    apply."""
+    if strategy != "fsdp":
+        raise ValueError("param_dtype is FSDP2's MixedPrecisionPolicy: use strategy 'fsdp'")
+    if param_dtype != "bf16":
+        raise ValueError(f"param_dtype {param_dtype!r}: the estimate models 'bf16'")
+    if kw.get("weight_dtype", "fp32") != "fp32" or kw.get("precision", "fp32") not in (
+        "fp32", "bf16"):  # fmt: skip
+        raise ValueError(
+            "MixedPrecisionPolicy gathers bf16 copies of fp32 shards: leave weight_dtype fp32 "
+            "and precision fp32 (or bf16 autocast)"
+        )
+    if kw.get("lora_r") or kw.get("qlora"):
+        raise ValueError("param_dtype with LoRA is not modelled: load the base in bf16 instead")
+    return {**kw, "weight_dtype": "bf16", "precision": "bf16"}
 
 
 def _refuse_for_fsdp(kw: dict, device_type: str) -> None:
@@ -299,11 +329,17 @@ class _Shards:
     optimizer_state: int
     step_temporaries: int  # the optimizer step's scratch over the shards
     gathered: dict  # unit name -> bytes gathered whole ("root" included)
+    # A MixedPrecisionPolicy's backward: each unit's gradients copied into the reduce-scatter
+    # input in reduce_dtype (fp32: 2 bytes per gathered bf16 byte), beside the bf16 ones.
+    reduce_input: int = 0
 
 
-def _shards(info, world_size, optimizer, device_type, bf16_update="nearest") -> _Shards:
-    """The sharded parameters, gradients, optimizer state and step scratch of ``info``."""
-    shards = [sharded(p, world_size) for p in info.params]
+def _shards(info, world_size, optimizer, device_type, bf16_update="nearest",
+            state_info=None) -> _Shards:  # fmt: skip
+    """The sharded parameters, gradients, optimizer state and step scratch of ``info`` (of
+    ``state_info``, the fp32 shards, where a MixedPrecisionPolicy gathers ``info`` in bf16),
+    and the units as ``info`` gathers them."""
+    shards = [sharded(p, world_size) for p in (state_info or info).params]
     trainable = [p for p in shards if p.trainable]
 
     def nbytes(params):
@@ -317,6 +353,7 @@ def _shards(info, world_size, optimizer, device_type, bf16_update="nearest") -> 
         optimizer_state=optimizer_state_bytes(optimizer, trainable, device_type, bf16_update),
         step_temporaries=temporaries,
         gathered={k: _gathered_bytes(v, world_size, device_type) for k, v in groups.items()},
+        reduce_input=0 if state_info is None else 2,
     )
 
 
@@ -333,9 +370,8 @@ def _rank_estimate(one, info, world_size, sh: _Shards, peak: int, where: str) ->
                         communication_buffers=_all_gather_pairs(info, sh.gathered))  # fmt: skip
 
 
-def _fsdp(one, info, world_size, optimizer, moments, device_type, bf16_update) -> RankEstimate:
-    """The one-process walk with the model state sharded and the gathered units added."""
-    sh = _shards(info, world_size, optimizer, device_type, bf16_update)
+def _fsdp(one, info, world_size, moments, sh: _Shards) -> RankEstimate:
+    """The one-process walk with the model state sharded (``sh``) and the gathered units added."""
     params, grads, opt, opt_temp = sh.params, sh.gradients, sh.optimizer_state, sh.step_temporaries
     gathered = sh.gathered
     root = gathered.get("root", 0)
@@ -348,13 +384,15 @@ def _fsdp(one, info, world_size, optimizer, moments, device_type, bf16_update) -
         else:  # the units computing now, gathered, and their all-gather buffers; the root always
             stage = m.label.split(": ", 1)[1]
             total = state + m.gradients + m.activations + m.temporaries + root
-            total += 2 * at_stage.get(stage, at_stage.get(stage.split(".")[0], 0))
+            unit = at_stage.get(stage, at_stage.get(stage.split(".")[0], 0))
+            total += (2 + sh.reduce_input * m.label.startswith("backward")) * unit
         if total > peak:
             peak, where = total, m.label
     return _rank_estimate(one, info, world_size, sh, peak, where)
 
 
-def _fsdp_traced(one, info, world_size, batch_size, seq_len, device_type, kw) -> RankEstimate:
+def _fsdp_traced(one, info, world_size, batch_size, seq_len, device_type, kw,
+                 state_info=None) -> RankEstimate:  # fmt: skip
     """The trace's walk (``Traced.moments``) with the model state sharded and, at each
     moment, the root and the unit computing gathered with its all-gather buffer: a layer's
     within a layer; the head's (final norm, head, loss) after the last layer; before the
@@ -363,7 +401,7 @@ def _fsdp_traced(one, info, world_size, batch_size, seq_len, device_type, kw) ->
     already reduce-scattered count whole, so the peak errs high."""
     optimizer = kw.get("optimizer", "adamw")
     bf16_update = kw.get("bf16_update", "nearest")
-    sh = _shards(info, world_size, optimizer, device_type, bf16_update)
+    sh = _shards(info, world_size, optimizer, device_type, bf16_update, state_info)
     t = trace_of(info, batch_size, seq_len, kw.get("precision", "fp32"), optimizer,
                  kw.get("gradient_checkpointing", False), kw.get("attn", "eager"),
                  kw.get("grad_accum", 1), device_type, info.weight_dtype != "fp32", bf16_update,
@@ -382,7 +420,8 @@ def _fsdp_traced(one, info, world_size, batch_size, seq_len, device_type, kw) ->
         if phase == "optimizer step":
             continue
         unit = layers if role else units[last]
-        total = row["total"] - row["params"] + state + root + 2 * unit
+        unit *= 2 + sh.reduce_input * (phase == "backward")
+        total = row["total"] - row["params"] + state + root + unit
         if total > peak:
             peak, where = total, f"{phase}: {_where(role, last, n)}"
     return _rank_estimate(one, info, world_size, sh, peak, where)

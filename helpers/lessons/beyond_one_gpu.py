@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Subset
@@ -100,6 +100,10 @@ class ParallelConfig:
     seq_len: int = 64
     mixed_precision: str = "no"  # Accelerator's names; "no" keeps every category 4 B/number
     weight_dtype: str = "fp32"  # "bf16": weights, gradients and AdamW's state in 2 B/number
+    # FSDP2's MixedPrecisionPolicy: "bf16" gathers and computes each unit in bf16 over fp32
+    # shards (reduce_dtype fp32); "" none (on GPUs Accelerate sets its own from
+    # mixed_precision)
+    param_dtype: str = ""
     optimizer: str = "adamw"
     bf16_update: str = "nearest"  # bf16 weights' AdamW (RunConfig's): nearest | stochastic | kahan
     # RunConfig's savers, applied before sharding: LoRA adapters (rank; peft's targets) on the
@@ -219,17 +223,21 @@ def _init_process_group(placement: Placement) -> None:
 # FSDP2 by hand (what Accelerate does on GPUs), for processes on the CPU
 
 
-def shard_by_hand(model: torch.nn.Module) -> list[str]:
+def shard_by_hand(model: torch.nn.Module, param_dtype: str = "") -> list[str]:
     """``fully_shard`` the units Accelerate 1.15 makes on GPUs (``fsdp_units``: each
     transformer layer, the input embedding, the final norm with the head, then the root).
     Each parameter becomes a DTensor holding this process's share, so the optimizer is made
     afterwards, on ``model.parameters()`` (PyTorch's ``fully_shard`` docs and FSDP2 tutorial).
-    Returns the units' names."""
+    ``param_dtype="bf16"``: every unit with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+    reduce_dtype=torch.float32)``. Returns the units' names."""
+    policy = MixedPrecisionPolicy()
+    if param_dtype:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     units = fsdp_units(model)
     for unit in units[:-1]:
         modules = list(unit.modules) if len(unit.modules) > 1 else unit.modules[0]
-        fully_shard(modules, reshard_after_forward=unit.reshard_after_forward)
-    fully_shard(model)  # the root: PyTorch keeps it gathered from forward to backward
+        fully_shard(modules, reshard_after_forward=unit.reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)  # the root: kept gathered from forward to backward
     return [u.name for u in units]
 
 
@@ -391,7 +399,7 @@ def _prepare_rank(cfg: ParallelConfig):
     model = _with_savers(model, cfg)
     rank = int(os.environ.get("RANK", "0"))
     if by_hand:
-        shard_by_hand(model)
+        shard_by_hand(model, cfg.param_dtype)
         loader = rank_loader(loader, rank, world)
     if by_hand or cfg.lora_r or cfg.bf16_update != "nearest":
         # Make the optimizer (and its schedule) on the parameters it will update: the shards
