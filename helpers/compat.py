@@ -56,7 +56,7 @@ REQUIRED = [
     Package("accelerate", "accelerate", "all", ""),
     Package("datasets", "datasets", "02-07 12 14", ""),
     Package("dill", "dill", "all", ""),
-    Package("peft", "peft", "13 14", ""),
+    Package("peft", "peft", "09 13 14", ""),
     Package("numpy", "numpy", "all", ""),
     Package("pandas", "pandas", "all", ""),
     Package("matplotlib", "matplotlib", "all", ""),

@@ -34,7 +34,7 @@ def test_untested_versions_names_what_is_outside_and_nothing_else(monkeypatch):
     monkeypatch.setattr(compat, "installed_version", lambda d: fake.get(d) or real(d))
     note = compat.untested_versions()
     assert "torch 2.10.1 (tested 2.11.0 to 2.13.0; every lesson)" in note
-    assert "peft 0.99.0 (tested 0.20.0 to 0.21.2; lessons 13 14)" in note
+    assert "peft 0.99.0 (tested 0.20.0 to 0.21.2; lessons 09 13 14)" in note
     assert "pip install 'torch>=2.11.0'." in note and "peft>=" not in note
     assert "transformers" not in note and "\n" not in note  # one paragraph
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -9,10 +10,14 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+from transformers.models.switch_transformers.modeling_switch_transformers import (
+    router_z_loss_func,
+)
 
 from helpers.lessons.mixture_of_experts import (
     block_io,
     ffn_params,
+    lora_sites,
     pair_for,
     router_heatmap,
     train_flops_per_token,
@@ -24,6 +29,7 @@ from tests.plot_checks import figure_problems
 NOTEBOOK = "09_mixture_of_experts.ipynb"
 router_load = cell_function(NOTEBOOK, "router_load")  # the lesson's cells: what it runs
 moe_by_hand = cell_function(NOTEBOOK, "moe_by_hand")
+router_z_loss = cell_function(NOTEBOOK, "router_z_loss")
 
 
 def _routed(name: str, top_k: int | None = None):
@@ -65,11 +71,12 @@ def test_flops_per_token_equal_up_to_the_router():
 
 
 def test_router_shares_sum_to_one_per_layer():
-    shares, aux_loss, logit_rms = router_load(*_routed(pair_for("tiny")[0]))
+    shares, aux_loss, z_loss, logit_rms = router_load(*_routed(pair_for("tiny")[0]))
     assert len(shares) == 2
     for layer in shares:
         assert abs(sum(layer) - 1) < 1e-9 and all(s >= 0 for s in layer)
     assert torch.isfinite(torch.tensor(aux_loss))
+    assert z_loss > 0
     # A random router (std initializer_range) on RMS-normalised hidden states of unit scale:
     # logits of size ~ 0.02 * sqrt(h), not 0.02.
     config = load_config(pair_for("tiny")[0])
@@ -85,7 +92,7 @@ def test_aux_loss_fractions_sum_to_k_and_the_lesson_shares_to_one(k):
     assert load_balancing_loss_func((torch.zeros(32, n_exp),), n_exp, k).item() == pytest.approx(k)
     # The lesson's shares are f_e / k: they sum to 1 and rebuild transformers' loss exactly.
     logits = torch.randn(64, n_exp, generator=torch.Generator().manual_seed(k))
-    (shares,), aux_loss, _ = router_load(_Logits(logits, k), None)
+    (shares,), aux_loss, _, _ = router_load(_Logits(logits, k), None)
     assert sum(shares) == pytest.approx(1)
     probs = logits.softmax(-1).mean(0).tolist()  # P_e: each expert's mean probability
     by_hand = n_exp * sum(k * s * p for s, p in zip(shares, probs, strict=True))
@@ -101,7 +108,7 @@ def test_top_k_override_scales_the_experts_flops():
     assert one.router_per_token == two.router_per_token > 0
     experts = [r.ffn_per_token - r.router_per_token for r in (one, two)]
     assert experts[1] == 2 * experts[0] > 0
-    shares, aux_loss, _ = router_load(*_routed(sparse, top_k=1))
+    shares, aux_loss, _, _ = router_load(*_routed(sparse, top_k=1))
     assert all(abs(sum(layer) - 1) < 1e-9 for layer in shares)
     # At init the loss sits near its uniform value k: 1 here, not the config's 2 (32 tokens:
     # a few per cent of noise).
@@ -133,3 +140,35 @@ def test_router_heatmap_is_readable_tiny_and_full():
     assert figure_problems(fig) == []
     width, height = fig.get_size_inches()
     assert width * fig.dpi < 900 and height < width  # not the 1800-px strip of bars any more
+
+
+def test_router_z_loss_matches_switch_transformers_and_log_e_at_zero_logits():
+    # Zero logits: every token's log-sum-exp is log E exactly, so the z-loss is (log E)^2.
+    n_exp = 8
+    zero = router_z_loss((torch.zeros(5, n_exp), torch.zeros(3, n_exp)))
+    assert zero.item() == pytest.approx(math.log(n_exp) ** 2, rel=1e-6)
+    # On random logits, per layer: transformers' Switch Transformers function (mean over
+    # layers x tokens) gives the same number; a shift of every logit by c moves it.
+    layers = tuple(torch.randn(2, 16, n_exp, generator=torch.Generator().manual_seed(1)).unbind(0))
+    ours = router_z_loss(layers).item()
+    assert ours == pytest.approx(router_z_loss_func(torch.stack(layers)).item(), rel=1e-6)
+    assert router_z_loss(tuple(x - 3 for x in layers)).item() != pytest.approx(ours)
+
+
+def test_lora_sites_count_each_experts_adapter_pair():
+    from peft import LoraConfig, get_peft_model
+
+    config = load_config(pair_for("tiny")[0])
+    n_exp, h, inter = config.num_local_experts, config.hidden_size, config.intermediate_size
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    lora = LoraConfig(r=2, target_modules=["q_proj"], target_parameters=experts)
+    model = get_peft_model(build_model(config), lora)
+    sites = lora_sites(model)
+    assert set(sites) == {"self_attn.q_proj", *experts}
+    layers = config.num_hidden_layers
+    assert sites["self_attn.q_proj"] == {"rank": 2, "shape": (h, h), "layers": layers,
+                                         "params": layers * 2 * (h + h)}  # fmt: skip
+    assert sites["mlp.experts.gate_up_proj"]["params"] == layers * 2 * n_exp * (h + 2 * inter)
+    assert sites["mlp.experts.down_proj"]["params"] == layers * 2 * n_exp * (inter + h)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert sum(v["params"] for v in sites.values()) == trainable

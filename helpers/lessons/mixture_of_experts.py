@@ -1,7 +1,8 @@
-"""Lesson 09, sections 1-5 (notebooks/09_mixture_of_experts.ipynb): counts, FLOPs, figures.
+"""Lesson 09, sections 1-6 (notebooks/09_mixture_of_experts.ipynb): counts, FLOPs, figures,
+and where a peft LoRA config puts its adapters.
 
-The block by hand and the router's load (with transformers' auxiliary loss) are the
-notebook's own cells.
+The block by hand, the router's load (with transformers' auxiliary loss and the router
+z-loss) and the LoRA configs are the notebook's own cells.
 
 Mixture of experts: a sparse Mixtral-style model next to the dense model of equal active width.
 
@@ -138,3 +139,34 @@ def router_heatmap(shares: list[list[float]], top_k: int, title: str = ""):
     bar = fig.colorbar(image, ax=ax, shrink=0.9)
     bar.set_label(f"share (fair: 1/E = {fair:.3f})", fontsize="small")
     return fig
+
+
+def lora_sites(peft_model: torch.nn.Module) -> dict[str, dict]:
+    """Where a peft LoRA model's adapters sit, summed over the layers: one entry per site.
+
+    A site is a targeted module (an ``nn.Linear`` such as ``self_attn.q_proj``, adapted by
+    ``target_modules``) or a targeted parameter (``mlp.experts.gate_up_proj``, a 3-D
+    ``(E, out, in)`` tensor, adapted by ``target_parameters`` through peft's ``ParamWrapper``),
+    named without its layer index. Each entry: ``rank`` (peft's, per site), ``shape`` (the
+    base weight's), ``layers`` (how many layers hold the site) and ``params`` (the adapters'
+    A and B entries, all layers together).
+    """
+    from peft.tuners.lora import LoraLayer, ParamWrapper  # peft imports bitsandbytes: seconds
+
+    sites: dict[str, dict] = {}
+    for name, module in peft_model.named_modules():
+        if not isinstance(module, LoraLayer) or not module.lora_A:
+            continue
+        if isinstance(module, ParamWrapper):  # a parameter: name the site after it
+            site, weight = f"{name}.{module.parameter_name}", module.get_param()
+        else:
+            site, weight = name, module.get_base_layer().weight
+        site = re.sub(r"^.*\.layers\.\d+\.", "", site.replace(".base_layer", ""))
+        n = sum(p.numel() for ab in (module.lora_A, module.lora_B) for p in ab.parameters())
+        entry = sites.setdefault(
+            site,
+            {"rank": module.r["default"], "shape": tuple(weight.shape), "layers": 0, "params": 0},
+        )
+        entry["layers"] += 1
+        entry["params"] += n
+    return sites
