@@ -82,16 +82,16 @@ def build_model(args, device):
 # >>> chunked loss: the loss a chunk at a time. The checkpoint keeps only each chunk's hidden
 # states and recomputes its logits in backward, so one chunk's logits exist at a time.
 def chunk_loss(head, hidden, targets):
+    """One chunk's summed loss: its logits exist only inside this function."""
     logits = head(hidden).float()  # fp32, as transformers' loss upcasts
     return torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
 
 
 def chunked_loss(model, batch, chunk):
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    hidden = model.get_decoder()(**inputs).last_hidden_state  # (batch, seq, hidden): no logits
-    hidden = hidden.reshape(-1, hidden.shape[-1])
+    hidden = model.get_decoder()(**inputs).last_hidden_state.flatten(0, 1)  # no logits yet
     # position i predicts label i + 1, as the model shifts; a row's last position predicts none
-    targets = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:].reshape(-1)
+    targets = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:].flatten()
     total = 0
     for i in range(0, len(targets), chunk):
         total = total + torch.utils.checkpoint.checkpoint(

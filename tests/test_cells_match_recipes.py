@@ -24,6 +24,10 @@ SHARED = {
         "aten = torch.ops.aten",
         "return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE",
     ),
+    ("chunked_loss", "16_more_memory.ipynb"): (
+        "def chunk_loss(head, hidden, targets):",
+        "return total / (targets != -100).sum()",
+    ),
     ("fp8", "16_more_memory.ipynb"): (
         "def to_float8(module, name):",
         'return name != "lm_head" and module.in_features % 16 == 0 and '
