@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from helpers.data import MarkovTask
 from helpers.lessons.data_loading import (
@@ -24,8 +26,11 @@ from helpers.lessons.data_loading import (
     make_words,
     markov_walks,
     predicted_step,
+    sorted_slots,
     startup_rounds,
     starvation_figure,
+    token_slots,
+    varied_texts,
     waits_behind_device,
     wordpiece_vocab,
 )
@@ -341,3 +346,43 @@ def _check_waits_shrink_with_a_worker():
     # against one-off spikes).
     w0, w1 = statistics.median(waits[0]), statistics.median(waits[1])
     assert w1 < w0 - min(w0, device_s) / 2, waits
+
+
+def test_varied_texts_are_documents_of_uneven_length():
+    texts = varied_texts(200, median_words=20, max_words=60, seed=0)
+    counts = [len(t.split()) for t in texts]
+    assert len(texts) == 200 and min(counts) >= 2 and max(counts) <= 60
+    assert 15 <= statistics.median(counts) <= 25 and max(counts) > 2 * statistics.median(counts)
+    full = Documents(200, 60, seed=0).texts
+    assert all(f.startswith(t) for f, t in zip(full, texts, strict=True))  # cut, not rewritten
+    assert varied_texts(200, median_words=20, max_words=60, seed=0) == texts  # seeded
+
+
+def test_token_slots_counts_a_padded_loader():
+    tok = make_tokenizer("fast")
+    from transformers import DataCollatorWithPadding
+
+    texts = ["ba", "ba be bi bo bu", "ka ke", "ma me mi mo mu ma me mi"]
+    features = [tok(t) for t in texts]
+    lengths = [len(f["input_ids"]) for f in features]
+    loader = DataLoader(features, batch_size=2, collate_fn=DataCollatorWithPadding(tok))
+    counted = token_slots(loader)
+    expected = 2 * max(lengths[:2]) + 2 * max(lengths[2:])
+    assert (counted.batches, counted.slots, counted.real) == (2, expected, sum(lengths))
+    assert counted.padding == expected - sum(lengths)
+    assert counted.padding_share == pytest.approx(counted.padding / expected)
+
+
+def test_sorted_slots_is_the_fewest_padded_slots():
+    cases = [([5, 1, 4, 2, 3], 2), ([7, 1, 1, 6, 2, 2, 3], 3), ([3, 9, 4], 2), ([1, 5, 5, 9, 9], 2)]
+    for lengths, batch_size in cases:
+        best = sorted_slots(lengths, batch_size)
+        assert best.real == sum(lengths)
+        fewest = min(  # over every split into batches: batches cut from every order
+            sum(
+                len(c) * max(c)
+                for c in (o[i : i + batch_size] for i in range(0, len(o), batch_size))
+            )
+            for o in itertools.permutations(lengths)
+        )
+        assert best.slots == fewest, (lengths, best, fewest)

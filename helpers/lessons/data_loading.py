@@ -1,4 +1,4 @@
-"""Lesson 11, sections 1-7 (notebooks/11_data_loading.ipynb).
+"""Lesson 11, sections 1-9 (notebooks/11_data_loading.ipynb).
 
 A CPU-heavy input pipeline, and what lesson 11 measures about feeding a training step.
 
@@ -14,6 +14,7 @@ sizes, not objects, so they can run in a fresh process (``helpers.isolate.call_i
 
 from __future__ import annotations
 
+import itertools
 import math
 import multiprocessing as mp
 import os
@@ -960,3 +961,63 @@ def loop_record(result: LoaderResult, device: dict, label: str):
         tokens_per_s=result.samples_per_s * cfg.seq_len,
         extra=extra,
     )
+
+
+# Section 9: texts of uneven length, and the padding their batches carry.
+
+
+def varied_texts(
+    n_docs: int, median_words: int, sigma: float = 0.7, max_words: int = 160, seed: int = 0
+) -> list[str]:
+    """``Documents`` cut to log-normal word counts (median ``median_words``, 2 to
+    ``max_words``): lengths as uneven as real text's, a few long texts among many short ones."""
+    rng = random.Random(seed)
+    law = (math.log(median_words), sigma)
+    counts = [min(max_words, max(2, round(rng.lognormvariate(*law)))) for _ in range(n_docs)]
+    texts = Documents(n_docs, max_words, seed=seed).texts
+    return [" ".join(text.split()[:n]) for text, n in zip(texts, counts, strict=True)]
+
+
+@dataclass
+class TokenSlots:
+    """The token slots of padded batches, each as long as its longest sample."""
+
+    batches: int
+    slots: int  # rows x padded length, summed over the batches
+    real: int  # slots that hold a token (attention_mask 1)
+
+    @property
+    def padding(self) -> int:
+        """Slots that hold padding."""
+        return self.slots - self.real
+
+    @property
+    def padding_share(self) -> float:
+        """Padding as a share of all slots."""
+        return self.padding / self.slots
+
+
+def token_slots(loader) -> TokenSlots:
+    """One epoch of ``loader``'s batches (each with an ``attention_mask``), every slot counted."""
+    batches = slots = real = 0
+    for batch in loader:
+        mask = batch["attention_mask"]  # (B, longest in the batch)
+        batches, slots, real = batches + 1, slots + mask.numel(), real + int(mask.sum())
+    return TokenSlots(batches, slots, real)
+
+
+def sorted_slots(lengths: list[int], batch_size: int) -> TokenSlots:
+    """Batches cut from ``lengths`` in sorted order, a short remainder batch placed where it
+    costs least: the fewest padded slots any split into batches of ``batch_size`` can have,
+    and no randomness left."""
+    ordered = sorted(lengths)
+    full, rest = divmod(len(ordered), batch_size)
+    plans = [[batch_size] * k + [rest] + [batch_size] * (full - k) for k in range(full + 1)]
+    best = None
+    for plan in plans if rest else [[batch_size] * full]:  # batch sizes, shortest texts first
+        edges = [0, *itertools.accumulate(plan)]
+        chunks = [ordered[a:b] for a, b in itertools.pairwise(edges)]
+        slots = sum(len(c) * c[-1] for c in chunks)  # each padded to its longest, its last
+        if best is None or slots < best.slots:
+            best = TokenSlots(len(chunks), slots, sum(ordered))
+    return best
