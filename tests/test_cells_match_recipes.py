@@ -28,6 +28,10 @@ SHARED = {
         "def chunk_loss(head, hidden, targets):",
         "return total / (targets != -100).sum()",
     ),
+    ("optimizer_in_backward", "16_more_memory.ipynb"): (
+        "class OptimizerInBackward:",
+        'self.schedules[n].load_state_dict(saved["schedule"])',
+    ),
     ("fp8", "16_more_memory.ipynb"): (
         "def to_float8(module, name):",
         'return name != "lm_head" and module.in_features % 16 == 0 and '
