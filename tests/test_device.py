@@ -394,9 +394,14 @@ def _code_tokens(text: str) -> str:
 
 
 # The CUDA calls a lesson teaches in its own cells (the learner's code, shown as PyTorch's API):
-# lesson 15 the memory snapshot and a real out-of-memory error under a cap, lesson 16 where
-# pinned memory applies. Everything else goes through helpers.device.
+# lesson 00 the peak everyone quotes, lesson 15 the memory snapshot and a real out-of-memory
+# error under a cap, lesson 16 where pinned memory applies. Everything else goes through
+# helpers.device.
 TAUGHT = {
+    "00_setup_and_measuring.ipynb": {
+        "torch.accelerator.reset_peak_memory_stats", "torch.accelerator.memory_allocated",
+        "torch.accelerator.max_memory_allocated",
+    },
     "15_seeing_memory.ipynb": {
         "torch.cuda.memory._record_memory_history", "torch.cuda.memory._dump_snapshot",
         "torch.cuda.set_per_process_memory_fraction", "torch.cuda.get_device_properties",
