@@ -11,10 +11,15 @@ Accelerate", https://huggingface.co/docs/transformers/perf_train_gpu_one; Accele
 The Trainer runs on Accelerate: `TrainingArguments(bf16=True, gradient_accumulation_steps=k)`.
 Lesson 07 also uses an 8-bit optimizer and checkpointing: add optimizers.py's and
 checkpointing.py's blocks to this file (mixed_precision.py and accumulation.py teach the flags).
+--checkpoint DIR resumes from DIR's save_state (weights, optimizer, RNG states), if any, and
+saves there after the last step: run it twice and the second run goes on as the first run's
+next epoch would have (Accelerate's "Checkpointing" guide,
+https://huggingface.co/docs/accelerate/usage_guides/checkpoint).
 
     python recipes/accelerate_loop.py --size 1b --seq-len 1024 --mixed-precision bf16 --accumulate 8
     accelerate launch --num_processes 2 recipes/accelerate_loop.py --mixed-precision bf16  # 2 GPUs
     accelerate launch --num_processes 2 --cpu recipes/accelerate_loop.py  # 2 CPU processes
+    python recipes/accelerate_loop.py --checkpoint state  # again: resumes from state/
 """
 
 import argparse
@@ -56,6 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"),
                    help="default: accelerate launch's --mixed_precision, else no")  # fmt: skip
     p.add_argument("--accumulate", type=int, default=1)
+    # <<<
+    # >>> checkpoint and resume
+    p.add_argument("--checkpoint", metavar="DIR", help="resume from DIR if saved, save there")
     # <<<
     return p.parse_args(argv)
 
@@ -117,6 +125,13 @@ def build(args):
     # puts batches on the device, an optimizer that steps only at a window's end
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     # <<<
+    # >>> checkpoint and resume: into the prepared objects, before the epoch's first batch
+    # draws its seed (and shuffle order) from torch's RNG, as the saved run's next epoch would
+    import os
+
+    if args.checkpoint and os.path.isdir(args.checkpoint):
+        accelerator.load_state(args.checkpoint)  # weights, optimizer, RNG states
+    # <<<
     return model, optimizer, loader, device
 
 
@@ -168,6 +183,11 @@ def main(argv=None):
     model, optimizer, loader, device = build(args)
     times = train(args, model, optimizer, loader, device)
     report(args, times, device)
+    # >>> checkpoint and resume: the main process writes the weights and optimizer state, each
+    # process its RNG states
+    if args.checkpoint:
+        args.accelerator.save_state(args.checkpoint)
+    # <<<
     # >>> Accelerate: ends the run (destroys the process group under a launcher)
     args.accelerator.end_training()
     # <<<

@@ -134,3 +134,81 @@ def test_the_script_trains_with_adamw_when_bitsandbytes_is_missing(monkeypatch, 
     assert lesson.main(["--max-steps", "1", "--mixed-precision", "no", "--cpu"]) == 0
     row = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert len(row["losses"]) == 1 and row["losses"][0] > 0
+
+
+def _resumable_run(resumable_train, cfg, folder, **checkpoint) -> list[float]:
+    """The notebook's resumable_train on fresh parts, in the calling (fresh) process."""
+    return list(resumable_train(cfg, *lesson.loop_parts(cfg), folder, **checkpoint))
+
+
+def _plain_run(cfg) -> list[float]:
+    return list(lesson.accelerate_train(cfg, *lesson.loop_parts(cfg)))
+
+
+def test_save_state_then_load_state_in_a_fresh_process_resumes_bit_for_bit(tmp_path):
+    from tests.cells import cell_function
+
+    resumable_train = cell_function("07_accelerate_loop.ipynb", "resumable_train")
+    cfg = lesson.LoopConfig(seq_len=32, optimizer="adamw", max_steps=4, cpu=True)
+    folder = str(tmp_path / "state")
+
+    def run(**checkpoint):
+        return call_isolated(_resumable_run, resumable_train, cfg, folder, **checkpoint).unwrap()
+
+    uninterrupted = run(save_after=2)
+    resumed = run(resume_from=2)  # another fresh process: only the folder carries over
+    # Saving changes no step, and the resumed steps are the uninterrupted ones: the weights,
+    # AdamW's moments and the RNG (BERT's dropout) come back, the data goes on from batch 8.
+    assert uninterrupted == call_isolated(_plain_run, cfg).unwrap()
+    assert resumed == uninterrupted[2:], (uninterrupted, resumed)
+
+
+def test_the_guides_variable_size_accumulation_gives_the_one_batch_gradient():
+    import torch
+
+    from tests.cells import cell_function
+
+    token_accumulation = cell_function("07_accelerate_loop.ipynb", "token_accumulation")
+    g = torch.Generator().manual_seed(1)
+    labels = [torch.randint(0, 11, (n,), generator=g) for n in (16, 16, 16)]
+    labels[1][3:] = -100  # 3, 16 and 9 real tokens: means of means would be far off
+    labels[2][9:] = -100
+    # fp32 sums over 28 tokens: ~1e-7 relative; a missing factor (k, or the count) is O(1).
+    assert call_isolated(token_accumulation, labels).unwrap() < 1e-5
+
+
+def _two_epochs_in_one_run(folder: str) -> None:
+    """recipes/accelerate_loop.py's own functions, two epochs of 2 steps in one process."""
+    import runpy
+
+    recipe = runpy.run_path(str(Path(__file__).resolve().parents[1] / "recipes/accelerate_loop.py"))
+    args = recipe["parse_args"](["--steps", "2", "--device", "cpu"])
+    model, optimizer, loader, device = recipe["build"](args)
+    for _epoch in range(2):
+        recipe["train"](args, model, optimizer, loader, device)
+    args.accelerator.save_state(folder)
+
+
+def test_the_recipe_resumes_from_its_checkpoint_as_its_next_epoch(tmp_path):
+    """Run twice with --checkpoint (two processes, as a learner does): the weights and AdamW's
+    state equal those of one run that trains a second epoch, bit for bit."""
+    import os
+    import subprocess
+
+    import torch
+    from safetensors.torch import load_file
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "accelerate_loop.py"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(recipe), "--steps", "2", "--device", "cpu"]
+    for _run in range(2):
+        subprocess.run([*cmd, "--checkpoint", str(tmp_path / "resumed")], check=True, env=env,
+                       capture_output=True, timeout=300)  # fmt: skip
+    call_isolated(_two_epochs_in_one_run, str(tmp_path / "one_run")).unwrap()
+    resumed, one_run = (
+        load_file(tmp_path / d / "model.safetensors") for d in ("resumed", "one_run")
+    )
+    assert resumed.keys() == one_run.keys()
+    assert all(torch.equal(resumed[k], one_run[k]) for k in resumed)
+    state = torch.load(tmp_path / "resumed" / "optimizer.bin", weights_only=False)["state"]
+    assert {float(s["step"]) for s in state.values()} == {4.0}  # 2 steps + 2 resumed
