@@ -12,6 +12,8 @@ from helpers.lessons.peft_lora import (
     four_bit_weight_bytes,
     meta_model,
     rank_for,
+    step_memory,
+    target_names,
     trainable_counts,
 )
 from helpers.memory import CategoryTracker
@@ -106,6 +108,48 @@ def test_lora_with_checkpointing_trains():
     changed = {n for n, p in trainee.model.named_parameters() if not torch.equal(p, weights[n])}
     assert changed and all(".lora_" in n for n in changed)
     assert len(changed) == sum(p.requires_grad for p in trainee.model.parameters())
+
+
+def test_step_memory_is_measure_for_lora():
+    # Lesson 13's step_memory (for variants RunConfig lacks) counts a LoRA step as measure does.
+    cfg = RunConfig(
+        model="llama-tiny", lora_r=4, lora_targets="q_proj,v_proj", repeats=1, flops=False,
+        batch_size=2, seq_len=32,
+    )  # fmt: skip
+    rec = measure(cfg)
+    trainee = Trainee(cfg)
+    got = step_memory(trainee.model, trainee.batch())
+    for key in ("params", "gradients", "optimizer_state", "activations", "temporaries", "peak"):
+        assert got[key] == rec.memory[key], key
+
+
+def test_dora_adds_a_magnitude_per_output_row_and_two_saved_outputs_per_layer():
+    from peft import LoraConfig, get_peft_model
+
+    config = load_config("llama-tiny")
+    ids = torch.randint(0, config.vocab_size, (2, 32))
+    batch = {"input_ids": ids, "labels": ids}
+    counts, mem = {}, {}
+    for dora in (False, True):
+        lora = LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
+            use_dora=dora,
+        )  # fmt: skip
+        model = get_peft_model(build_model(config), lora)
+        counts[dora] = trainable_counts(model)
+        mem[dora] = step_memory(model, batch)
+    # The same step again: DoRA's dropped weight-norm graphs must not linger in the count.
+    assert step_memory(model, batch)["activations"] == mem[True]["activations"]
+    layers = target_names(meta_model(config), "q_proj,v_proj")
+    out = sum(meta_model(config).get_submodule(n).out_features for n in layers)
+    assert counts[True][0] - counts[False][0] == out  # one magnitude per output row
+    assert counts[True][2] - counts[False][2] == len(layers)  # one vector per adapted layer
+    extra = {k: mem[True][k] - mem[False][k] for k in mem[True] if k != "peak_at"}
+    assert extra["params"] == extra["gradients"] == 4 * out
+    assert extra["optimizer_state"] == 8 * out + 4 * len(layers)  # 2 moments + a step each
+    # The magnitude's gradient needs the base and the adapter output: 2 x T x out floats.
+    saved = 2 * 4 * ids.numel() * out
+    assert saved <= extra["activations"] < 1.05 * saved
 
 
 def test_tracker_counts_frozen_weights_without_hooking_them():

@@ -12,10 +12,14 @@ this way and ``helpers.estimator`` predicts it.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from helpers.estimator.qlora import nf4_bytes
+from helpers.memory import CategoryTracker
 from helpers.models import load_config, parse_targets, task_kind
+from helpers.train import make_optimizer, train_step
 
 
 def target_names(model: torch.nn.Module, targets: str = "") -> list[str]:
@@ -92,6 +96,41 @@ def trainable_counts(model: torch.nn.Module) -> tuple[int, int, int]:
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     return sum(p.numel() for p in trainable), sum(p.numel() for p in params), len(trainable)
+
+
+def step_memory(model: torch.nn.Module, batch: dict) -> dict:
+    """Per-category peaks (``CategoryTracker``, view 1) of one steady-state AdamW step on the
+    trainable parameters of ``model`` (a transformers model, or a peft one): an untracked step
+    first creates the optimizer state, as ``helpers.train.measure`` does. For variants that
+    ``RunConfig`` has no field for (DoRA, lesson 13).
+
+    The tracker's hooks on module outputs form reference cycles: a graph that the model drops
+    at once stays alive until Python's garbage collector runs. DoRA drops one in every forward
+    (its weight norm: an in x in identity matrix through A and B, used detached), so without
+    a collection after each DoRA layer the activations would vary from run to run by
+    multiples of that matrix. ``gc.freeze()`` first keeps those collections short: they scan
+    only the objects the step creates."""
+    from peft.tuners.lora import LoraLayer  # optional; imports bitsandbytes
+
+    optimizer = make_optimizer("adamw", model)  # the trainable parameters only
+    train_step(model, optimizer, [batch])
+
+    def collect(*_) -> None:  # a hook that returns nothing leaves the output as it is
+        gc.collect()
+
+    dora = [m for m in model.modules() if isinstance(m, LoraLayer) and m.lora_magnitude_vector]
+    hooks = [m.register_forward_hook(collect) for m in dora]
+    tracker = CategoryTracker(device=next(model.parameters()).device)
+    tracker.track_external(model, optimizer)
+    gc.freeze()
+    try:
+        with tracker:
+            train_step(model, optimizer, [batch])
+    finally:
+        gc.unfreeze()
+        for hook in hooks:
+            hook.remove()
+    return tracker.peaks().as_dict()
 
 
 def proportion_figure(x, measured: dict, slopes: dict, xlabel: str, ylabel: str, title: str = ""):
