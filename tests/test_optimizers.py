@@ -169,3 +169,43 @@ def test_import_bitsandbytes_returns_the_module_or_none():
     assert (bnb is None) == (not HAS_BNB)
     if HAS_BNB:
         assert hasattr(bnb.optim, "AdamW8bit")
+
+
+def test_state_rules_match_real_optimizers_on_one_matrix():
+    """Section 4's table: each rule's bytes for one matrix are what the installed library keeps,
+    its optim= names are the Trainer's, and measurements land in their rows."""
+    from transformers.optimization import Adafactor
+    from transformers.training_args import OptimizerNames
+
+    from helpers.lessons.optimizers import STATE_RULES, state_rule_table
+
+    rules = {rule.key or rule.optim: rule for rule in STATE_RULES}
+    assert {rule.optim for rule in STATE_RULES if rule.optim} <= {o.value for o in OptimizerNames}
+    makers = {
+        "adamw_torch": lambda ps: torch.optim.AdamW(ps),
+        "adafactor": lambda ps: Adafactor(ps, lr=1e-3, relative_step=False),
+        "muon": lambda ps: torch.optim.Muon(ps),
+    }
+    if HAS_BNB:
+        import bitsandbytes as bnb
+
+        bnb.optim.GlobalOptimManager.get_instance().initialize()  # no earlier overrides
+        makers |= {
+            "adamw_bnb_8bit": lambda ps: bnb.optim.AdamW8bit(ps),
+            "lion_32bit": lambda ps: bnb.optim.Lion(ps),
+            "lion_8bit": lambda ps: bnb.optim.Lion8bit(ps),
+        }
+    for key, make in makers.items():
+        layer = torch.nn.Linear(128, 96, bias=False)  # 12288 values: 8-bit sized, 48 blocks
+        layer.weight.grad = torch.randn_like(layer.weight)
+        opt = make([layer.weight])
+        opt.step()
+        real = sum(r.nbytes for r in read_state(layer, opt))
+        assert real == rules[key].matrix_bytes(96, 128, 0), key
+    rows = {r["optimizer"]: r for r in state_rule_table({"adamw_torch": 8.5, "muon": 5.0})}
+    per = {name: r["4096 x 4096 matrix"] for name, r in rows.items()}
+    assert per["AdamW (torch)"] == 8.0 and per["Lion (bitsandbytes)"] == 4.0
+    assert per["4-bit AdamW (torchao)"] == 1.0625 and per["GaLore AdamW"] == 0.375  # rank 128
+    assert rows["Muon (torch.optim) + AdamW"]["tiny encoder (measured)"] == 5.0
+    assert rows["8-bit Lion"]["tiny encoder (measured)"] is None
+    assert rows["8-bit Lion"]["obtained"].endswith("not measured here")

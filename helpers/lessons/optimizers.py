@@ -2,14 +2,16 @@
 
 Optimizers: the timings and runs the lesson adds to the state rules.
 
-Section 4 reads the state the Trainer's optimizers hold, section 5 times ``optimizer.step()``
-of AdamW's implementations in turns, section 6 trains the learnable task with each optimizer.
-The state rules themselves are core machinery: ``helpers.optimizer_state``.
+Section 4 reads the state the Trainer's optimizers hold and tabulates the state rules of the
+others (``STATE_RULES``), section 5 times ``optimizer.step()`` of AdamW's implementations in
+turns, section 6 trains the learnable task with each optimizer. The state rules the estimator
+uses are core machinery: ``helpers.optimizer_state``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +20,7 @@ import torch
 
 from helpers.device import resolve
 from helpers.models import build_model, load_config
-from helpers.optimizer_state import StateTensor, read_state
+from helpers.optimizer_state import BNB_BLOCK, BNB_QMAP, StateTensor, read_state
 from helpers.progress import progress
 from helpers.quiet import quiet_libraries
 from helpers.timing import Comparison, compare_calls
@@ -179,3 +181,86 @@ def _hyper_parameters(opt) -> dict:
     if hasattr(opt, "args"):  # bitsandbytes keeps optim_bits and min_8bit_size here
         hyper.update({k: getattr(opt.args, k) for k in ("optim_bits", "min_8bit_size")})
     return hyper
+
+
+@dataclass(frozen=True)
+class StateRule:
+    """One optimizer of section 4's table: its Trainer name and the state it keeps."""
+
+    optimizer: str
+    optim: str  # its TrainingArguments(optim=...) name; "" where transformers has none
+    rule: str  # state bytes per parameter, in words
+    matrix_bytes: Callable[[int, int, int], int]  # (rows, cols, rank) -> state of one matrix
+    source: str  # the file(s) the rule is read from
+    key: str = ""  # its key among the measurements when it has no optim name
+
+
+def _bnb_8bit(states: int) -> Callable[[int, int, int], int]:
+    """bitsandbytes, ``states`` moments: a uint8 code per value, an fp32 absmax per block of
+    256 values, and one shared 256-entry fp32 map per moment (the step is a Python int)."""
+    return lambda m, n, r: states * (m * n + 4 * math.ceil(m * n / BNB_BLOCK) + 4 * BNB_QMAP)
+
+
+def _torchao(bits: int, block: int) -> Callable[[int, int, int], int]:
+    """torchao's AdamW: a 0-d fp32 step, and per moment ``bits``-bit codes, an fp32 scale per
+    ``block`` values and the tensor's own fp32 map of 2**bits entries."""
+    return lambda m, n, r: 4 + 2 * (m * n * bits // 8 + 4 * (m * n // block) + 4 * 2**bits)
+
+
+def _low_rank(m: int, n: int, r: int) -> int:
+    """GaLore / APOLLO on an m x n matrix: an fp32 projection of r x min(m, n) and Adam's two
+    moments of the projected gradient, r x max(m, n) each (the step is a Python int)."""
+    return 4 * r * min(m, n) + 8 * r * max(m, n)
+
+
+_BNB = "bitsandbytes/optim/optimizer.py"
+STATE_RULES = (
+    StateRule("AdamW (torch)", "adamw_torch", "8, + 4 per tensor (step)",
+              lambda m, n, r: 8 * m * n + 4, "torch/optim/adamw.py"),
+    StateRule("Adafactor (transformers)", "adafactor", "4(m + n)/mn per m x n matrix; 4 per vector",
+              lambda m, n, r: 4 * (m + n) + 4, "transformers/optimization.py"),
+    StateRule("8-bit AdamW (bitsandbytes)", "adamw_bnb_8bit",
+              "2 + 8/256; 8 for embeddings and tensors < 4096", _bnb_8bit(2), _BNB),
+    StateRule("paged 8-bit AdamW", "paged_adamw_8bit",
+              "as 8-bit AdamW, in CUDA unified memory", _bnb_8bit(2), _BNB),
+    StateRule("Lion (bitsandbytes)", "lion_32bit", "4", lambda m, n, r: 4 * m * n, _BNB),
+    StateRule("8-bit Lion", "lion_8bit", "1 + 4/256; 4 for embeddings and tensors < 4096",
+              _bnb_8bit(1), _BNB),
+    StateRule("8-bit AdamW (torchao)", "adamw_torch_8bit", "2 + 8/256; 8 for tensors < 4096",
+              _torchao(8, 256), "torchao/optim/adam.py, subclass_8bit.py"),
+    StateRule("4-bit AdamW (torchao)", "adamw_torch_4bit", "1 + 8/128; 8 for tensors < 4096",
+              _torchao(4, 128), "torchao/optim/adam.py, subclass_4bit.py"),
+    StateRule("GaLore AdamW", "galore_adamw",
+              "4r(k + 2l)/kl per k x l target matrix (k <= l, rank r = 128); 8 elsewhere",
+              _low_rank, "galore_torch/adamw.py, galore_projector.py"),
+    StateRule("APOLLO AdamW", "apollo_adamw", "as GaLore (a random projection)",
+              _low_rank, "apollo_torch/apollo.py, random_projector.py"),
+    StateRule("schedule-free AdamW", "schedule_free_adamw", "8 (z, exp_avg_sq)",
+              lambda m, n, r: 8 * m * n, "schedulefree/adamw_schedulefree.py"),
+    StateRule("Muon (torch.optim) + AdamW", "", "4 on 2-D hidden matrices; AdamW's 8 elsewhere",
+              lambda m, n, r: 4 * m * n, "torch/optim/_muon.py", key="muon"),
+)  # fmt: skip
+
+
+def state_rule_table(
+    measured: dict[str, float], shape: tuple[int, int] = (4096, 4096), rank: int = 128
+) -> list[dict]:
+    """Section 4's table: one row per ``STATE_RULES`` entry, with its bytes per parameter on one
+    matrix of ``shape`` (GaLore and APOLLO at ``rank``, transformers' default) and, where
+    ``measured`` has it (keyed by optim name, or ``key``), the measured bytes per parameter.
+    """
+    m, n = shape
+    rows = []
+    for rule in STATE_RULES:
+        got = measured.get(rule.key or rule.optim)
+        rows.append(
+            {
+                "optimizer": rule.optimizer,
+                "optim=": rule.optim or "(none)",
+                "state B/param": rule.rule,
+                f"{m} x {n} matrix": round(rule.matrix_bytes(m, n, rank) / (m * n), 4),
+                "tiny encoder (measured)": None if got is None else round(got, 3),
+                "obtained": f"from {rule.source}; not measured here" if got is None else "measured",
+            }
+        )
+    return rows
