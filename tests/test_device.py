@@ -407,6 +407,7 @@ TAUGHT = {
         "torch.cuda.set_per_process_memory_fraction", "torch.cuda.get_device_properties",
         "torch.cuda.memory_allocated", "torch.cuda.max_memory_allocated",
         "torch.cuda.reset_peak_memory_stats", "torch.cuda.empty_cache",
+        "torch.cuda.memory_summary", "torch._C._cuda_attach_out_of_memory_observer",
     },
     "16_more_memory.ipynb": {"torch.cuda.is_available"},
 }  # fmt: skip
