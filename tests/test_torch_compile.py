@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -29,11 +30,13 @@ from helpers.lessons.torch_compile import (
     graph_ops,
     input_shapes,
     mlp_stack,
+    ops_by_layer,
     reset_dynamo,
     seconds_saved,
     short_reason,
     step_profile,
 )
+from helpers.models import build_model, load_config
 from tests.cells import cell_function
 
 NOTEBOOK = "12_torch_compile.ipynb"
@@ -41,6 +44,14 @@ GraphRecorder = cell_function(NOTEBOOK, "GraphRecorder")  # the lesson's cells: 
 count_compiles = cell_function(
     NOTEBOOK, "count_compiles", GraphRecorder=GraphRecorder,
     contextlib=contextlib, logging=logging, os=os, re=re,
+)  # fmt: skip
+dynamo_log = cell_function(
+    NOTEBOOK, "dynamo_log", contextlib=contextlib, logging=logging, os=os, re=re,
+)  # fmt: skip
+first_forwards = cell_function(
+    NOTEBOOK, "first_forwards", GraphRecorder=GraphRecorder, dynamo_log=dynamo_log,
+    load_config=load_config, build_model=build_model, graph_ops=graph_ops,
+    ops_by_layer=ops_by_layer, time=time,
 )  # fmt: skip
 
 
@@ -137,6 +148,46 @@ def test_count_compiles_finds_a_guard_on_python_state():
     graphs, log = count_compiles(Flagged(), [(torch.ones(2),), (torch.ones(2),), (torch.ones(2),)])
     assert len(graphs) == 2 and len(log.recompiles) == 1
     assert "kind" in log.guard_failures()[0], log.guard_failures()
+
+
+def test_ops_by_layer_counts_each_repeated_layers_operations():
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return x.sum()
+
+    recorder = GraphRecorder()
+    torch.compile(Stack(), backend=recorder)(torch.ones(2, 4))
+    reset_dynamo()
+    counts = ops_by_layer(recorder.graphs[0])
+    # Each layer's linear; the relus and the sum run in Stack itself, outside any layer.
+    assert counts == {0: 1, 1: 1, 2: 1, None: 4}, counts
+    assert sum(counts.values()) == len(graph_ops(recorder.graphs[0]))
+
+
+def test_first_forwards_regional_reuses_one_graph_and_use_cache_recompiles_per_layer():
+    threads, runs = torch.get_num_threads(), {}  # first_forwards sets one thread
+    try:
+        for name, args in (("whole", (False,)), ("regional", (True,)), ("cached", (True, True))):
+            reset_dynamo()  # each from scratch, as in the fresh process the lesson gives it
+            runs[name] = first_forwards(*args, n_layers=2, calls=2)
+    finally:
+        torch.set_num_threads(threads)
+        reset_dynamo()
+    whole, regional, cached = runs.values()
+    layer_ops = {k: n for k, n in whole["operations by layer"].items() if k is not None}
+    assert whole["graphs"] == 1 and whole["runs per forward"] == [1], whole
+    assert layer_ops == dict.fromkeys((0, 1), regional["operations per graph"][0]), layer_ops
+    assert regional["graphs"] == 1 and regional["runs per forward"] == [2], regional
+    assert regional["recompilations"] == 0, regional
+    assert (cached["graphs"], cached["recompilations"]) == (2, 1), cached
+    assert "past_key_values" in cached["failed guards"][0], cached["failed guards"]
+    assert whole["capture s"] > 0 and regional["forward ms"] > 0
 
 
 def test_dynamo_log_lets_go_of_the_logger_and_refuses_under_torch_logs(monkeypatch):

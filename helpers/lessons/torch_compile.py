@@ -59,6 +59,19 @@ def graph_ops(gm: torch.fx.GraphModule) -> list[str]:
     return ops
 
 
+def ops_by_layer(gm: torch.fx.GraphModule, layers: str = r"layers\.(\d+)") -> dict:
+    """Operations of a captured graph per repeated layer, from the module path that Dynamo
+    records on each node (``nn_module_stack``): {layer index: count}, and under ``None`` the
+    operations outside any layer. ``layers`` matches a path's last part, its group the index."""
+    counts = Counter()
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            paths = [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
+            found = [m for p in paths if (m := re.search(rf"\.{layers}$", p))]
+            counts[int(found[-1][1]) if found else None] += 1
+    return dict(counts)
+
+
 def input_shapes(gm: torch.fx.GraphModule) -> list[tuple]:
     """Shapes of a captured graph's tensor inputs other than parameters; a symbolic (dynamic)
     size shows as s and a number."""
