@@ -327,3 +327,27 @@ def bf16_stochastic_adamw(params, lr: float = 1e-3) -> torch.optim.Optimizer:
 
         optimizer.step = eager_step
     return optimizer
+
+
+# --------------------------------------------------------------------------------------------
+# torch: torch.compile's activation memory budget. The min-cut partitioner that splits a
+# compiled graph into forward and backward (torch.compile's default, and the
+# ``aot_eager_decomp_partition`` backend's) reads ``torch._functorch.config
+# .activation_memory_budget`` when it compiles. torch 2.11 and 2.13 both have that knob;
+# torch 2.13 adds a prototype public form, ``torch.autograd.graph.region_activation_memory_budget``,
+# which is used inside the compiled function rather than around its first call.
+
+
+def activation_memory_budget(budget: float):
+    """Context manager: graphs that torch.compile compiles inside it save for backward at most
+    ``budget`` (0.0 to 1.0) of what its min-cut partitioner saves by default; 0.0 saves only the
+    compiled region's inputs, as checkpointing the whole region would.
+
+    Private API: ``torch._functorch.config.patch(activation_memory_budget=budget)`` (torch 2.11
+    to 2.13). It acts when a graph compiles, so the first call must run inside it.
+    """
+    if not 0.0 <= budget <= 1.0:
+        raise ValueError(f"activation_memory_budget must be in [0, 1], got {budget}")
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=budget)

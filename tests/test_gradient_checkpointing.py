@@ -6,14 +6,16 @@ import itertools
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
-from helpers.compat import is_checkpointing
+from helpers.compat import activation_memory_budget, is_checkpointing
 from helpers.lessons.gradient_checkpointing import (
     PairedTimingResult,
     block_stack,
+    budget_sweep,
     enable_checkpointing,
     optimal_segments,
     paired_step_times,
@@ -21,6 +23,7 @@ from helpers.lessons.gradient_checkpointing import (
     predicted_activation_bytes,
     predicted_partial_activation_bytes,
     saved_bytes_per_block,
+    saved_for_backward,
     segments_figure,
     stack_step_memory,
 )
@@ -31,6 +34,8 @@ from tests.plot_checks import figure_problems
 
 # Lesson 04's segmented step, as its cell writes it.
 SEGMENTED_STEP = cell_function("04_gradient_checkpointing.ipynb", "segmented_step")
+# Its loss compiled under an activation memory budget (section 7), as its cell writes it.
+BUDGET_LOSS = cell_function("04_gradient_checkpointing.ipynb", "budget_loss")
 
 
 def _grads(segments: int, dropout: float):
@@ -147,3 +152,41 @@ def test_segments_figure_has_no_drawing_problems():
     fig = segments_figure(counts, predicted, measured, peaks, optimal_segments(n, 1024, 64),
                           title="16 blocks: memory against the number of segments")  # fmt: skip
     assert figure_problems(fig) == []
+
+
+def test_saved_for_backward_counts_each_storage_once_without_weights_or_input():
+    linear = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+
+    def run():
+        y = linear(x).relu()  # addmm saves x and the weight (left out), relu its output
+        return y * y  # mul saves y twice: the same storage, counted once
+
+    out, saved = saved_for_backward(run, [*linear.parameters(), x])
+    assert saved == 4 * 8 * 4  # relu's output, 4 x 8 fp32
+    out.sum().backward()
+    assert linear.weight.grad is not None
+
+
+def test_activation_memory_budget_patches_the_compiler_config_and_checks_its_range():
+    import torch._functorch.config as functorch_config
+
+    default = functorch_config.activation_memory_budget
+    with activation_memory_budget(0.25):
+        assert functorch_config.activation_memory_budget == 0.25
+    assert functorch_config.activation_memory_budget == default
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        activation_memory_budget(1.5)
+
+
+def test_lower_budgets_save_less_and_recompute_more():
+    # Section 7 at a small size: 2 blocks of width 16, 32 rows.
+    n, width, rows = 2, 16, 32
+    runs = budget_sweep(n, width, rows, [1.0, 0.0], BUDGET_LOSS)
+    c, inside = saved_bytes_per_block(rows, width)
+    assert runs[None].saved_bytes == n * (c + inside)  # every block's input and inside
+    assert runs[0.0].saved_bytes < runs[1.0].saved_bytes <= runs[None].saved_bytes
+    assert runs[0.0].backward_flops > runs[1.0].backward_flops  # the matmuls run again
+    for budget in (1.0, 0.0):
+        for g, e in zip(runs[budget].grads, runs[None].grads, strict=True):
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-7)

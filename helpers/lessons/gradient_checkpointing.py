@@ -1,4 +1,4 @@
-"""Lesson 04, sections 1, 2, 5 (notebooks/04_gradient_checkpointing.ipynb).
+"""Lesson 04, sections 1, 2, 5, 7 (notebooks/04_gradient_checkpointing.ipynb).
 
 Activation (gradient) checkpointing: a plain-PyTorch block stack, its memory, paired timing.
 """
@@ -9,10 +9,12 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 from matplotlib.figure import Figure
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
 
 from helpers.isolate import call_isolated
 from helpers.memory import CategoryPeaks, CategoryTracker
@@ -32,10 +34,11 @@ class Block(nn.Module):
         self.act = nn.GELU()
         self.fc2 = nn.Linear(expansion * width, width)
         self.drop = nn.Dropout(dropout)
-        self.calls = 0  # forward calls, to see the recomputation happen
+        self.calls = 0  # eager forward calls, to see the recomputation happen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
+        if not torch.compiler.is_compiling():  # compiled, the count would force a recompile
+            self.calls += 1
         return x + self.drop(self.fc2(self.act(self.fc1(self.norm(x)))))
 
 
@@ -152,6 +155,75 @@ def predicted_partial_activation_bytes(
     at_start = (n_blocks + 1) * c + (n_blocks - checkpointed) * inside
     recomputing = n_blocks * c + inside if checkpointed else 0
     return max(at_start, recomputing)
+
+
+# The loss the lesson's cell writes: (stack, x, budget) -> the stack's loss on x, with the
+# stack compiled under that activation memory budget (section 7).
+BudgetLoss = Callable[[nn.Sequential, torch.Tensor, float], torch.Tensor]
+
+
+@dataclass
+class BudgetRun:
+    """One measured forward and backward of a Block stack (``budget_sweep``)."""
+
+    saved_bytes: int  # saved for backward: each storage once, the weights and the input left out
+    backward_flops: int  # the backward pass's FLOPs, recomputed forward operations included
+    # The parameters' gradients in ``parameters()`` order, as numpy arrays: a tensor sent from
+    # a fresh process would share memory with that process, which ends.
+    grads: list[np.ndarray]
+
+
+def saved_for_backward(
+    run: Callable[[], torch.Tensor], leave_out: list[torch.Tensor]
+) -> tuple[torch.Tensor, int]:
+    """``run()``'s result, and the bytes of the tensors autograd saved for backward while it
+    ran (``torch.autograd.graph.saved_tensors_hooks``): each storage once, those of
+    ``leave_out`` not counted. A compiled graph saves its tensors with ``save_for_backward``
+    like any ``autograd.Function``, so the hooks see them too."""
+    left_out = {t.untyped_storage().data_ptr() for t in leave_out}
+    kept: dict[int, int] = {}  # storage address -> bytes; a saved tensor stays alive
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in left_out:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, sum(kept.values())
+
+
+def budget_sweep(
+    n_blocks: int,
+    width: int,
+    rows: int,
+    budgets: list[float],
+    loss_fn: BudgetLoss,
+    seed: int = 0,
+) -> dict[float | None, BudgetRun]:
+    """Section 1's Block stack (no dropout) eager (key None, the lesson's loss
+    ``stack(x).square().mean()``) and through ``loss_fn`` at each budget, from the same weights
+    and input. Each starts from a fresh dynamo state (``torch._dynamo.reset``: a compiled
+    graph is reused, budget and all, until then); its first step compiles, the second is
+    measured: the bytes saved for backward and the backward pass's FLOPs."""
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed))
+    out = {}
+    for budget in (None, *budgets):
+        torch._dynamo.reset()
+        stack = block_stack(n_blocks, width, seed=seed)
+
+        def loss(stack=stack, budget=budget) -> torch.Tensor:
+            return stack(x).square().mean() if budget is None else loss_fn(stack, x, budget)
+
+        loss().backward()  # compiles
+        stack.zero_grad(set_to_none=True)
+        value, saved = saved_for_backward(loss, [*stack.parameters(), x])
+        with FlopCounterMode(display=False) as counter:
+            value.backward()
+        grads = [p.grad.numpy().copy() for p in stack.parameters()]
+        out[budget] = BudgetRun(saved, counter.get_total_flops(), grads)
+    return out
 
 
 def segments_figure(
