@@ -193,6 +193,9 @@ def main(argv=None):
 
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=args.save)
+        # every process done writing before any leaves the group (torch 2.11 over gloo aborted
+        # one run in three at exit without it)
+        torch.distributed.barrier()
     # <<<
     # >>> FSDP2: leave the process group
     torch.distributed.destroy_process_group()
