@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
+import torch._functorch.config as functorch_config
 from packaging.version import Version
 
 # --------------------------------------------------------------------------------------------
@@ -348,6 +349,4 @@ def activation_memory_budget(budget: float):
     """
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"activation_memory_budget must be in [0, 1], got {budget}")
-    import torch._functorch.config as functorch_config
-
     return functorch_config.patch(activation_memory_budget=budget)
