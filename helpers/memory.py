@@ -637,3 +637,24 @@ def fsdp_category_tracker(root: torch.nn.Module, optimizer, device: torch.device
     ``device``, only that device's storages count (as ``CategoryTracker(device=...)``).
     """
     return _fsdp_tracker_class()(root, optimizer, dev.resolve(device) if device else None)
+
+
+def saved_for_backward(
+    run: Callable[[], torch.Tensor], leave_out: list[torch.Tensor]
+) -> tuple[torch.Tensor, int]:
+    """``run()``'s result, and the bytes of the tensors autograd saved for backward while it
+    ran (``torch.autograd.graph.saved_tensors_hooks``): each storage once, those of
+    ``leave_out`` not counted. A compiled graph saves its tensors with ``save_for_backward``
+    like any ``autograd.Function``, so the hooks see them too."""
+    left_out = {t.untyped_storage().data_ptr() for t in leave_out}
+    kept: dict[int, int] = {}  # storage address -> bytes; a saved tensor stays alive
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in left_out:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, sum(kept.values())

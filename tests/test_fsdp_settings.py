@@ -31,19 +31,13 @@ def test_fsdp_of_bf16_weights_per_rank_is_the_tracker():
     est = estimate_per_rank(CFG.model, 2, "fsdp", B, S, **kw)
     fp32 = estimate_per_rank(CFG.model, 2, "fsdp", B, S, device="cpu")
     assert 2 * est.params == fp32.params and 2 * est.gathered_params == fp32.gathered_params
-    for r in result.ranks:
-        m = r.memory
-        for key in ("params", "gradients", "optimizer_state", "gathered_params"):
-            assert getattr(est, key) == m[key], (key, getattr(est, key), m[key])
-        assert est.communication_buffers <= m["communication_buffers"]
-        assert m["communication_buffers"] <= est.communication_buffers + est.gathered_params
-        assert est.activations == pytest.approx(m["activations"], rel=0.10)
-        assert est.peak == pytest.approx(m["peak"], rel=0.10), (est.peak, est.peak_at, m)
+    _assert_per_rank(est, result)
 
 
 def _assert_per_rank(est, result) -> None:
     """The state, the gathered units and the all-gather buffers exactly (the buffers: two
-    consecutive outputs, or one unit more, as above); activations and peak within 10%."""
+    consecutive outputs, or one unit more: gloo's worker thread can release a finished
+    collective's tensors after the next one started); activations and peak within 10%."""
     assert [r.rank for r in result.ranks] == [0, 1]
     for r in result.ranks:
         m = r.memory

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from helpers.isolate import call_isolated
-from helpers.memory import CategoryPeaks, CategoryTracker
+from helpers.memory import CategoryPeaks, CategoryTracker, saved_for_backward
 from helpers.models import disable_checkpointing, enable_checkpointing
 from helpers.plots import legend_outside, plain_ticks
 from helpers.timing import Comparison, Disturbance, time_once
@@ -171,27 +171,6 @@ class BudgetRun:
     # The parameters' gradients in ``parameters()`` order, as numpy arrays: a tensor sent from
     # a fresh process would share memory with that process, which ends.
     grads: list[np.ndarray]
-
-
-def saved_for_backward(
-    run: Callable[[], torch.Tensor], leave_out: list[torch.Tensor]
-) -> tuple[torch.Tensor, int]:
-    """``run()``'s result, and the bytes of the tensors autograd saved for backward while it
-    ran (``torch.autograd.graph.saved_tensors_hooks``): each storage once, those of
-    ``leave_out`` not counted. A compiled graph saves its tensors with ``save_for_backward``
-    like any ``autograd.Function``, so the hooks see them too."""
-    left_out = {t.untyped_storage().data_ptr() for t in leave_out}
-    kept: dict[int, int] = {}  # storage address -> bytes; a saved tensor stays alive
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in left_out:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return out, sum(kept.values())
 
 
 def budget_sweep(

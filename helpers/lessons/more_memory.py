@@ -38,7 +38,12 @@ from helpers.data import MarkovTask
 from helpers.device import allocation_bytes, gpu_info, is_cuda, resolve
 from helpers.estimator import Estimate, describe_model, estimate_run
 from helpers.isolate import call_isolated
-from helpers.memory import CategoryTracker, allocator_peaks, reset_device_peaks
+from helpers.memory import (
+    CategoryTracker,
+    allocator_peaks,
+    reset_device_peaks,
+    saved_for_backward,
+)
 from helpers.memory_savers import (  # noqa: F401 (SAVED_OPS, save_matmuls: the lesson's names)
     SAVED_OPS,
     ChunkedCausalLMLoss,
@@ -140,20 +145,10 @@ def packed_bytes(model: torch.nn.Module, batch: dict, loss_of: Callable = model_
     several operations (a tensor and its views) counts once.
     """
     before = [*model.parameters(), *model.buffers(), *batch.values()]
-    kept = {t.untyped_storage().data_ptr() for t in before}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in kept:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_of(model, batch)
+    loss, saved = saved_for_backward(lambda: loss_of(model, batch), before)
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return sum(seen.values())
+    return saved
 
 
 @dataclass
