@@ -1,6 +1,9 @@
 """The course's names and units, defined once: every module and notebook imports them from here."""
 
-OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")  # RunConfig.optimizer (lesson 06)
+# RunConfig.optimizer (lesson 06). lion and lion8bit are bitsandbytes' Lion (one moment);
+# muon is torch.optim.Muon on the hidden layers' matrices with AdamW on every other tensor.
+OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit", "lion", "lion8bit", "muon")
+BNB_OPTIMIZERS = ("adamw8bit", "lion", "lion8bit")  # need bitsandbytes; own state dtypes
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # RunConfig.precision (lesson 05)
 AUTOCAST = ("bf16", "fp16")  # the precisions that run the step under torch.autocast
 PRECISION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}  # bytes per activation value
@@ -115,8 +118,8 @@ def weights_problem(
         )
     if state_dtype and state_dtype not in STATE_DTYPES:
         return f"unknown state_dtype {state_dtype!r}: use one of {', '.join(STATE_DTYPES)}"
-    if state_dtype and optimizer == "adamw8bit":
-        return "8-bit AdamW keeps its own 8-bit state: leave state_dtype unset"
+    if state_dtype and optimizer in BNB_OPTIMIZERS:
+        return f"{optimizer} (bitsandbytes) keeps its own state dtypes: leave state_dtype unset"
     trained = trained_dtype(weight_dtype, lora_r)
     if state_dtype and state_dtype != trained:
         return (

@@ -20,6 +20,13 @@ _adafactor.py; bitsandbytes/optim/optimizer.py ``Optimizer2State.init_state``):
   share two 256-entry fp32 quantisation maps; smaller tensors, and any parameter registered
   for 32-bit state (the Trainer registers every ``nn.Embedding`` weight), keep two fp32 states.
   The step count is a Python int.
+- ``lion`` / ``lion8bit`` (bitsandbytes ``Optimizer1State.init_state``): one moment,
+  ``state1``, fp32 whatever the weight's dtype; 8-bit Lion keeps it as uint8 with one fp32
+  ``absmax1`` per 256 values and one shared 256-entry map, with the same 32-bit exceptions as
+  8-bit AdamW.
+- ``muon`` (torch/optim/_muon.py): ``torch.optim.Muon`` keeps one ``momentum_buffer`` like the
+  gradient and no step, for the hidden layers' 2-D matrices only (``hidden_matrices``); every
+  other trained tensor is AdamW's (its state as above).
 - AdamW for bf16 weights (lesson 05; torchao/optim/adam.py ``_AdamBase.step``,
   optimi/optimizer.py and adam.py): torchao's AdamW with stochastic rounding keeps
   ``exp_avg``/``exp_avg_sq`` like the parameter and a 0-d fp32 ``step`` that it always creates
@@ -63,6 +70,22 @@ def embedding_params(model: torch.nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
 
 
+def hidden_matrices(model: torch.nn.Module) -> set[int]:
+    """ids of the weights Muon updates: the 2-D matrices of the hidden layers.
+
+    torch's Muon docs and Muon's authors leave embeddings, the output head and every vector
+    (norms, biases) to AdamW. The hidden layers are the transformers model's base model (its
+    head is outside it), less its ``nn.Embedding`` weights.
+
+    Example::
+
+        >>> muon = [p for p in model.parameters() if id(p) in hidden_matrices(model)]
+    """
+    embeddings = embedding_params(model)
+    base = getattr(model, "base_model", model)
+    return {id(p) for p in base.parameters() if p.ndim == 2 and id(p) not in embeddings}
+
+
 def expected_state(
     model: torch.nn.Module,
     optimizer: str,
@@ -80,10 +103,12 @@ def expected_state(
     ``bf16_update`` names the AdamW of bf16 weights (``helpers.train.make_optimizer``).
     """
     embeddings = embedding_params(model) if embeddings_32bit else set()
+    hidden = hidden_matrices(model)
     params = [
-        ParamShape(name, tuple(p.shape), p.requires_grad, id(p) in embeddings, p.dtype)
+        ParamShape(name, tuple(p.shape), p.requires_grad, id(p) in embeddings, p.dtype,
+                   id(p) in hidden)
         for name, p in model.named_parameters()
-    ]
+    ]  # fmt: skip
     first = next(model.parameters(), None)
     device_type = "cpu" if first is None else first.device.type
     return state_tensors(params, optimizer, device_type, min_8bit_size, fused, impl, bf16_update)
@@ -98,6 +123,7 @@ class ParamShape:
     trainable: bool = True
     embedding: bool = False  # gets 32-bit state from 8-bit AdamW (the Trainer's override)
     dtype: torch.dtype = torch.float32
+    hidden: bool = False  # a hidden layer's 2-D matrix: Muon's (``hidden_matrices``)
 
 
 def state_tensors(
@@ -117,45 +143,60 @@ def state_tensors(
     """
     f32, rows, n_8bit = torch.float32, [], 0
     host = not fused and device_type != "cpu"  # torch keeps its step counters on the CPU
+    if optimizer not in ("adamw", "sgd", "adafactor", "muon", *_BNB_MOMENTS):
+        raise ValueError(f"unknown optimizer {optimizer!r}")
     for p in params:
         if not getattr(p, "trainable", True):
             continue
         name, shape, n = p.name, tuple(p.shape), math.prod(p.shape)
         dtype = getattr(p, "dtype", f32)
-        if optimizer == "adafactor" and impl == "transformers":
-            if len(shape) > 1:
-                rows.append(StateTensor(name, "exp_avg_sq_row", shape[:-1], dtype))
-                rows.append(StateTensor(name, "exp_avg_sq_col", (*shape[:-2], shape[-1]), dtype))
-            else:
-                rows.append(StateTensor(name, "exp_avg_sq", shape, dtype))
-            rows.append(StateTensor(name, "RMS", (), dtype))
-            continue
-        if optimizer == "adamw":
+        if optimizer == "adafactor":
+            rows += _adafactor_state(name, shape, dtype, host, impl)
+        elif optimizer == "adamw" or (optimizer == "muon" and not getattr(p, "hidden", False)):
             rows += _adamw_state(name, shape, dtype, host, device_type, bf16_update)
-            continue
-        if optimizer == "sgd":
+        elif optimizer in ("sgd", "muon"):  # Muon's hidden matrices: a momentum buffer only
             rows.append(StateTensor(name, "momentum_buffer", shape, dtype))
-        elif optimizer == "adafactor":
-            rows.append(StateTensor(name, "step", (), f32, host=host))
-            if len(shape) > 1:
-                rows.append(StateTensor(name, "row_var", (*shape[:-1], 1), dtype))
-                rows.append(StateTensor(name, "col_var", (*shape[:-2], 1, shape[-1]), dtype))
-            else:
-                rows.append(StateTensor(name, "variance", shape, dtype))
-        elif optimizer == "adamw8bit":
-            if n < min_8bit_size or getattr(p, "embedding", False):
-                rows += [StateTensor(name, k, shape, f32) for k in ("state1", "state2")]
-            else:
-                n_8bit += 1
-                blocks = (math.ceil(n / BNB_BLOCK),)
-                rows += [StateTensor(name, k, shape, torch.uint8) for k in ("state1", "state2")]
-                rows += [StateTensor(name, k, blocks, f32) for k in ("absmax1", "absmax2")]
-        else:
-            raise ValueError(f"unknown optimizer {optimizer!r}")
+        else:  # bitsandbytes: fp32 moments, or 8-bit ones where the tensor is big enough
+            eight = (
+                optimizer != "lion" and n >= min_8bit_size and not getattr(p, "embedding", False)
+            )
+            rows += _bnb_state(name, shape, _BNB_MOMENTS[optimizer], eight)
+            n_8bit += eight
     if n_8bit:  # one signed map for state1 and one unsigned for state2, shared by all tensors
         owner = SHARED if n_8bit > 1 else next(r.param for r in rows if r.key == "absmax1")
-        rows += [StateTensor(owner, k, (BNB_QMAP,), f32) for k in ("qmap1", "qmap2")]
+        maps = ("qmap1", "qmap2")[: _BNB_MOMENTS[optimizer]]
+        rows += [StateTensor(owner, k, (BNB_QMAP,), f32) for k in maps]
     return rows
+
+
+_BNB_MOMENTS = {"adamw8bit": 2, "lion": 1, "lion8bit": 1}  # bitsandbytes' optimizers' moments
+
+
+def _bnb_state(name, shape, moments: int, eight: bool) -> list[StateTensor]:
+    """One parameter's bitsandbytes state: ``moments`` fp32 tensors like it, or uint8 codes and
+    an fp32 absmax per block of 256 values for each (the maps are shared: ``state_tensors``)."""
+    keys = ("state1", "state2")[:moments]
+    if not eight:
+        return [StateTensor(name, k, shape, torch.float32) for k in keys]
+    blocks = (math.ceil(math.prod(shape) / BNB_BLOCK),)
+    codes = [StateTensor(name, k, shape, torch.uint8) for k in keys]
+    return codes + [StateTensor(name, f"absmax{k[-1]}", blocks, torch.float32) for k in keys]
+
+
+def _adafactor_state(name, shape, dtype, host, impl) -> list[StateTensor]:
+    """One parameter's Adafactor state: torch's, or transformers' (``impl="transformers"``)."""
+    if impl == "transformers":
+        factors = [StateTensor(name, "exp_avg_sq", shape, dtype)]
+        if len(shape) > 1:
+            row, col = shape[:-1], (*shape[:-2], shape[-1])
+            factors = [StateTensor(name, "exp_avg_sq_row", row, dtype),
+                       StateTensor(name, "exp_avg_sq_col", col, dtype)]  # fmt: skip
+        return [*factors, StateTensor(name, "RMS", (), dtype)]
+    step = StateTensor(name, "step", (), torch.float32, host=host)
+    if len(shape) > 1:
+        return [step, StateTensor(name, "row_var", (*shape[:-1], 1), dtype),
+                StateTensor(name, "col_var", (*shape[:-2], 1, shape[-1]), dtype)]  # fmt: skip
+    return [step, StateTensor(name, "variance", shape, dtype)]
 
 
 def _adamw_state(name, shape, dtype, host, device_type, bf16_update) -> list[StateTensor]:

@@ -45,6 +45,7 @@ from helpers.names import (
     ACTIVATION_SETTINGS,
     ATTENTION,
     AUTOCAST,
+    BNB_OPTIMIZERS,
     PRECISIONS,
     GiB,
     KiB,
@@ -255,9 +256,9 @@ def available_precisions(device: torch.device) -> list[str]:
 
 
 def available_optimizers(names=DEFAULT_OPTIMIZERS) -> list[str]:
-    """``names`` minus 8-bit AdamW when bitsandbytes is not installed."""
+    """``names`` minus bitsandbytes' optimizers (8-bit AdamW, Lion) when it is not installed."""
     have_bnb = importlib.util.find_spec("bitsandbytes") is not None
-    return [o for o in names if o != "adamw8bit" or have_bnb]
+    return [o for o in names if o not in BNB_OPTIMIZERS or have_bnb]
 
 
 # How the planner updates bf16 weights in full fine-tuning: Kahan summation (torch-optimi,

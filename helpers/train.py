@@ -34,6 +34,7 @@ from helpers.models import (
 )
 from helpers.names import (
     AUTOCAST,
+    BNB_OPTIMIZERS,
     OPTIMIZERS,
     activations_problem,
     qlora_problem,
@@ -41,6 +42,7 @@ from helpers.names import (
     setting_problem,
     weights_problem,
 )
+from helpers.optimizer_state import hidden_matrices
 from helpers.quiet import quiet_loading
 from helpers.results import Record
 from helpers.timing import (
@@ -134,7 +136,8 @@ class RunConfig:
 def make_optimizer(
     name: str, model: torch.nn.Module, lr: float = 1e-3, params=None, bf16_update: str = "nearest"
 ):
-    """The optimizer by course name: adamw, sgd (momentum 0.9), adafactor, adamw8bit.
+    """The optimizer by course name: adamw, sgd (momentum 0.9), adafactor, adamw8bit, lion,
+    lion8bit (bitsandbytes), muon (``MuonWithAdamW``).
 
     ``params``: the parameters it updates (default: the model's trainable ones); the model is
     still what 8-bit AdamW reads its embedding overrides from. ``bf16_update`` picks the AdamW
@@ -172,25 +175,83 @@ def make_optimizer(
         # torch's Adafactor keeps no first moment and factors the second moment of every
         # matrix into a row and a column vector (Shazeer & Stern, 2018).
         return torch.optim.Adafactor(params, lr=lr)
-    if name == "adamw8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError as err:
-            raise RuntimeError(
-                "adamw8bit needs bitsandbytes: pip install bitsandbytes (or pick adamw)"
-            ) from err
-        # As the Trainer does: embeddings keep 32-bit state, because quantising the state of
-        # rarely-updated, widely-ranging embedding rows hurts training (bitsandbytes docs).
-        manager = bnb.optim.GlobalOptimManager.get_instance()
-        # The manager is one per process and keys its overrides by parameter id and by
-        # (group, index): an earlier model's would reach this one's parameters (a recycled id,
-        # the same index). The overrides are read at the optimizer's first step.
-        manager.initialize()
-        for module in model.modules():
-            if isinstance(module, torch.nn.Embedding):
-                manager.register_module_override(module, "weight", {"optim_bits": 32})
-        return bnb.optim.AdamW8bit(params, lr=lr)
+    if name == "muon":
+        return MuonWithAdamW(model, params, lr=lr)
+    if name in BNB_OPTIMIZERS:
+        return _bnb_optimizer(name, model, params, lr)
     raise ValueError(f"unknown optimizer {name!r}: use one of {', '.join(OPTIMIZERS)}")
+
+
+def _bnb_optimizer(name: str, model: torch.nn.Module, params, lr: float):
+    """bitsandbytes' 8-bit AdamW, Lion or 8-bit Lion, with the Trainer's embedding override."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError as err:
+        raise RuntimeError(
+            f"{name} needs bitsandbytes: pip install bitsandbytes (or pick adamw)"
+        ) from err
+    if name == "lion":  # one moment: the sign of a blend of it and the gradient
+        return bnb.optim.Lion(params, lr=lr, optim_bits=32)
+    # As the Trainer does: embeddings keep 32-bit state, because quantising the state of
+    # rarely-updated, widely-ranging embedding rows hurts training (bitsandbytes docs).
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    # The manager is one per process and keys its overrides by parameter id and by
+    # (group, index): an earlier model's would reach this one's parameters (a recycled id,
+    # the same index). The overrides are read at the optimizer's first step.
+    manager.initialize()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            manager.register_module_override(module, "weight", {"optim_bits": 32})
+    if name == "lion8bit":
+        return bnb.optim.Lion8bit(params, lr=lr)
+    return bnb.optim.AdamW8bit(params, lr=lr)
+
+
+class MuonWithAdamW:
+    """``torch.optim.Muon`` on the hidden layers' matrices, ``torch.optim.AdamW`` on the rest.
+
+    Muon orthogonalises each 2-D update (Newton-Schulz iterations in bf16) and keeps one
+    momentum buffer per matrix; torch's docs leave embeddings, the head and vectors to AdamW
+    (``helpers.optimizer_state.hidden_matrices`` picks them). Muon's ``"match_rms_adamw"``
+    scaling (Moonshot's) lets both halves take AdamW's learning rate and weight decay. Steps,
+    zeroes and lists state like one optimizer; the tracker sees both (``optimizers``).
+
+    Example::
+
+        >>> optimizer = MuonWithAdamW(model, [p for p in model.parameters() if p.requires_grad])
+    """
+
+    def __init__(self, model: torch.nn.Module, params, lr: float = 1e-3) -> None:
+        hidden = hidden_matrices(model)
+        muon = [p for p in params if id(p) in hidden]
+        rest = [p for p in params if id(p) not in hidden]
+        self.optimizers = {}
+        if muon:
+            self.optimizers["muon"] = torch.optim.Muon(
+                muon, lr=lr, weight_decay=0.01, adjust_lr_fn="match_rms_adamw"
+            )
+        if rest:
+            self.optimizers["adamw"] = torch.optim.AdamW(rest, lr=lr)
+
+    def step(self) -> None:
+        """Muon's step, then AdamW's."""
+        for optimizer in self.optimizers.values():
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Both halves' gradients."""
+        for optimizer in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def state(self) -> dict:
+        """Every parameter's state (as ``Optimizer.state``)."""
+        return {p: s for o in self.optimizers.values() for p, s in o.state.items()}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """Both halves' parameter groups (what GradScaler unscales)."""
+        return [g for o in self.optimizers.values() for g in o.param_groups]
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -146,7 +146,10 @@ REFUSED = {
     ),
     "bf16 weights in fp32 compute": (dict(weight_dtype="bf16"), "use precision bf16"),
     "bf16 weights under fp16 autocast": (dict(precision="fp16", weight_dtype="bf16"), "bf16"),
-    "a state dtype for 8-bit AdamW": (dict(optimizer="adamw8bit", state_dtype="bf16"), "8-bit"),
+    "a state dtype for 8-bit AdamW": (
+        dict(optimizer="adamw8bit", state_dtype="bf16"),
+        "bitsandbytes",
+    ),
     "bf16 state over fp32 weights": (dict(state_dtype="bf16"), "leave state_dtype unset"),
     "fp32 state over bf16 weights": (dict(**BF16, state_dtype="fp32"), "(bf16 here)"),
     "an unknown state dtype": (dict(state_dtype="fp8"), "unknown state_dtype"),

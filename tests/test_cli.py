@@ -56,7 +56,7 @@ def test_measure_json_decoder_sgd(capsys, monkeypatch):
 @pytest.mark.parametrize(
     "args",
     [
-        ["--optimizer", "lion"],  # unknown optimizer
+        ["--optimizer", "lamb"],  # unknown optimizer
         ["--precision", "fp8"],  # unknown precision
         ["--precision", "tf32"],  # a precision this CPU cannot do
         ["--model", "/nonexistent/config.json"],  # unreadable config

@@ -7,14 +7,18 @@ import importlib.util
 import pytest
 import torch
 
+from helpers.estimator import optimizer_step_temporaries
+from helpers.memory import CategoryTracker
 from helpers.optimizer_state import (
     SHARED,
+    ParamShape,
     StateTensor,
     bytes_per_param,
     expected_state,
     read_state,
     tracked_bytes,
 )
+from helpers.train import make_optimizer
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 
@@ -91,6 +95,49 @@ def test_bnb_8bit_state_matches_prediction(override):
     assert SHARED in real  # two 8-bit tensors share the quantisation maps
     assert real["emb.weight"] == (8 * 6144 if override else 2 * 6144 + 2 * 4 * 24)
     assert real["big.weight"] == 2 * 9600 + 2 * 4 * 38  # ceil(9600 / 256) = 38 blocks
+
+
+@pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes is not installed")
+@pytest.mark.parametrize("name", ["lion", "lion8bit"])
+def test_bnb_lion_state_matches_prediction(name):
+    import bitsandbytes as bnb
+
+    bnb.optim.GlobalOptimManager.get_instance().initialize()  # forget earlier overrides
+    model = Tiny()
+    opt = stepped(model, make_optimizer(name, model))
+    real, predicted = read_state(model, opt), expected_state(model, name)
+    assert sorted(real, key=repr) == sorted(predicted, key=repr)
+    one = 9600 if name == "lion8bit" else 4 * 9600  # one moment: uint8 codes, or fp32
+    assert bytes_per_param(real)["big.weight"] == one + (4 * 38 if name == "lion8bit" else 0)
+    assert bytes_per_param(real)["emb.weight"] == 4 * 6144  # fp32: the Trainer's override
+
+
+def test_muon_state_matches_prediction():
+    model = Tiny()
+    opt = stepped(model, make_optimizer("muon", model))
+    real, predicted = read_state(model, opt), expected_state(model, "muon")
+    assert sorted(real, key=repr) == sorted(predicted, key=repr)
+    # A plain Module is its own base model: its hidden matrices are every 2-D weight but the
+    # embedding's; Muon keeps a momentum buffer for them, AdamW everything else.
+    assert set(opt.optimizers["muon"].state) == {model.big.weight, model.big2.weight,
+                                                   model.small.weight}  # fmt: skip
+    assert bytes_per_param(real)["big.weight"] == 4 * 9600  # no step counter
+    assert bytes_per_param(real)["emb.weight"] == 8 * 6144 + 4
+
+
+def test_muon_step_scratch_is_the_rule():
+    """Muon's step scratch, tracked on one matrix, equals optimizer_step_temporaries' rule."""
+    for shape in [(64, 48), (48, 64), (32, 32)]:
+        layer = torch.nn.Linear(*shape, bias=False)
+        layer.weight.grad = torch.randn_like(layer.weight)
+        opt = make_optimizer("muon", layer)
+        opt.step()  # the state, as a warm-up step makes it
+        tracker = CategoryTracker(device=torch.device("cpu"), module_peaks=False)
+        tracker.track_external(layer, opt)
+        with tracker:
+            opt.step()
+        params = [ParamShape("w", tuple(layer.weight.shape), hidden=True)]
+        assert tracker.peaks().temporaries == optimizer_step_temporaries("muon", params), shape
 
 
 def test_tracked_bytes_follows_the_tracker_rules():

@@ -22,8 +22,10 @@ Model state (exact)
     leading dims) and 4n + 4 per vector, bitsandbytes' 8-bit AdamW 2n + 8 ceil(n/256) (two uint8
     states, one fp32 absmax per block of 256) plus two shared 256-entry fp32 quantisation maps,
     except tensors under min_8bit_size = 4096 numbers and nn.Embedding weights (make_optimizer's
-    override), which keep two fp32 states (8n). ``training_state`` does the same from parameter
-    counts alone.
+    override), which keep two fp32 states (8n); bitsandbytes' Lion one fp32 state (4n), 8-bit
+    Lion n + 4 ceil(n/256) and one map, with the same exceptions; Muon 4n per hidden matrix (a
+    momentum buffer; its Newton-Schulz scratch in ``optimizer_step_temporaries``) and AdamW's
+    state for every other tensor. ``training_state`` does the same from parameter counts alone.
 
 Activations: from the paper to these implementations
     Korthikanti et al. (2022) count s·b·h·(34 + 5·a·s/h) bytes per transformer layer in 16

@@ -14,6 +14,7 @@ from transformers import (
 )
 
 from helpers.models import WEIGHT_TORCH_DTYPES, apply_lora, load_config, task_kind
+from helpers.optimizer_state import hidden_matrices
 
 FP32 = 4
 
@@ -46,6 +47,7 @@ class ParamInfo:
     cast: bool = False  # enters an autocast matmul as a Parameter: gets a cached 16-bit copy
     trainable: bool = True
     dtype: torch.dtype = torch.float32  # as stored: fp32, or bf16 (RunConfig.weight_dtype)
+    hidden: bool = False  # a hidden layer's 2-D matrix: Muon's (optimizer_state.hidden_matrices)
 
     @property
     def numel(self) -> int:
@@ -161,7 +163,7 @@ def describe_model(
     for mod in net.modules():
         for p in mod.parameters(recurse=False):
             owner.setdefault(id(p), mod)
-    params, seen_layer = [], False
+    params, seen_layer, hidden = [], False, hidden_matrices(net)
     for name, p in net.named_parameters():
         mod = owner[id(p)]
         match = _LAYER.search(name)
@@ -175,8 +177,9 @@ def describe_model(
         linear = isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D"
         cast = linear or (not is_embedding and p.dim() == 2)
         params.append(
-            ParamInfo(name, tuple(p.shape), stage, is_embedding, cast, p.requires_grad, p.dtype)
-        )
+            ParamInfo(name, tuple(p.shape), stage, is_embedding, cast, p.requires_grad, p.dtype,
+                      id(p) in hidden)
+        )  # fmt: skip
     out_emb, in_emb = net.get_output_embeddings(), net.get_input_embeddings()
     tied = out_emb is not None and out_emb.weight is in_emb.weight
     buffers = tuple(b.numel() * b.element_size() for b in net.buffers())

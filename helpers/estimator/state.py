@@ -38,17 +38,18 @@ def training_state(
     """Model-state bytes from parameter counts alone (frozen weights get no grads or state).
 
     Per trainable parameter: AdamW 8 B, SGD-momentum 4 B, 8-bit AdamW 2 B + 8 B per 256 (its
-    absmax blocks, ignoring its fp32 small tensors); Adafactor depends on tensor shapes, use
-    ``optimizer_state_bytes``. ``master_copy`` adds the 4 B fp32 master weight that mixed
-    precision keeps when the weights themselves are 16-bit (``weight_bytes=2``): with it,
-    AdamW is the single-GPU guide's 12 B per trainable parameter (84 GB for 7B, 2.4 GB for
-    0.2B of LoRA).
+    absmax blocks, ignoring its fp32 small tensors), Lion 4 B, 8-bit Lion 1 B + 4 B per 256;
+    Adafactor and Muon depend on tensor shapes, use ``optimizer_state_bytes``. ``master_copy``
+    adds the 4 B fp32 master weight that mixed precision keeps when the weights themselves
+    are 16-bit (``weight_bytes=2``): with it, AdamW is the single-GPU guide's 12 B per
+    trainable parameter (84 GB for 7B, 2.4 GB for 0.2B of LoRA).
     ``n_tensors`` adds AdamW's 4-byte step per trainable tensor.
     """
     n_trainable = n_params if n_trainable is None else n_trainable
-    per = {"adamw": 8.0, "sgd": 4.0, "adamw8bit": 2.0 + 2 * FP32 / BNB_BLOCK}
-    if optimizer == "adafactor":
-        raise ValueError("Adafactor's state depends on tensor shapes: use optimizer_state_bytes")
+    bnb8 = 1.0 + FP32 / BNB_BLOCK  # one uint8 moment and its absmax per 256 values
+    per = {"adamw": 8.0, "sgd": 4.0, "adamw8bit": 2 * bnb8, "lion": 4.0, "lion8bit": bnb8}
+    if optimizer in ("adafactor", "muon"):
+        raise ValueError(f"{optimizer}'s state depends on tensor shapes: use optimizer_state_bytes")
     if optimizer not in per:
         raise ValueError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
     state = per[optimizer] * n_trainable + (FP32 * n_tensors if optimizer == "adamw" else 0)
@@ -90,10 +91,14 @@ def optimizer_step_temporaries(
 
     trainable = [p for p in params if getattr(p, "trainable", True)]
     sizes = [alloc(_elem(p) * math.prod(p.shape)) for p in trainable]
-    if not sizes or optimizer in ("sgd", "adamw8bit"):
-        # SGD updates in place. 8-bit AdamW: fused CUDA kernels; on the CPU its kernel is a
-        # custom op whose scratch tensors the tracker cannot see.
+    if not sizes or optimizer in ("sgd", "adamw8bit", "lion", "lion8bit"):
+        # SGD updates in place. bitsandbytes' optimizers: fused CUDA kernels; on the CPU each
+        # update is a custom op whose scratch tensors the tracker cannot see.
         return 0
+    if optimizer == "muon":  # Muon's matrices, then AdamW's step over the rest
+        rest = [p for p in trainable if not getattr(p, "hidden", False)]
+        adamw = optimizer_step_temporaries("adamw", rest, device_type) if rest else 0
+        return max(_muon_temporaries(trainable, alloc), adamw)
     if optimizer == "adamw" and bf16_update == "kahan":
         return max(sizes)
     if optimizer == "adamw" and bf16_update == "stochastic":
@@ -126,6 +131,24 @@ def optimizer_step_temporaries(
             else:
                 worst = max(worst, 2 * size + previous)  # grad*grad and variance.clone()
         previous = size
+    return worst
+
+
+def _muon_temporaries(params, alloc) -> int:
+    """The largest scratch of torch's Muon step (torch/optim/_muon.py, one matrix at a time).
+
+    Per m x n matrix: ``grad.lerp(buf)``, the Nesterov update, like the gradient (u); its bf16
+    copy, the Newton-Schulz iterate (x, m x n; none when the gradient is bf16 already); each of
+    the 5 iterations makes a Gram matrix and its polynomial (g, k x k bf16, k = min(m, n)) while
+    the last iteration's pair is still bound, and a new iterate beside the old. The returned
+    iterate stays bound to the loop variable until the next matrix's update replaces it.
+    """
+    worst, previous = 0, 0
+    for p in (p for p in params if getattr(p, "hidden", False)):
+        m, n = p.shape
+        u, x, g = alloc(_elem(p) * m * n), alloc(2 * m * n), alloc(2 * min(m, n) ** 2)
+        worst = max(worst, previous + u, u + x + 3 * g, u + 2 * x + 2 * g)
+        previous = x
     return worst
 
 
