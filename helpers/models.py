@@ -165,8 +165,11 @@ def parse_targets(targets: str) -> list[str] | str | None:
     return [t.strip() for t in targets.split(",") if t.strip()]
 
 
-def lora_config(kind: str, r: int, targets: str = "", alpha: float | None = None):
-    """A peft LoraConfig: rank r, alpha 2r unless given, no dropout, the task from ``kind``."""
+def lora_config(
+    kind: str, r: int, targets: str = "", alpha: float | None = None, dora: bool = False
+):
+    """A peft LoraConfig: rank r, alpha 2r unless given, no dropout, the task from ``kind``;
+    ``dora``: DoRA's trained magnitude per output row (``use_dora``, lesson 13)."""
     from peft import LoraConfig, TaskType  # optional; imports bitsandbytes
 
     if r < 1:
@@ -178,14 +181,18 @@ def lora_config(kind: str, r: int, targets: str = "", alpha: float | None = None
         target_modules=parse_targets(targets),
         lora_dropout=0.0,
         task_type=task,
+        use_dora=dora,
     )
 
 
-def apply_lora(model: torch.nn.Module, r: int, targets: str = "", alpha: float | None = None):
+def apply_lora(
+    model: torch.nn.Module, r: int, targets: str = "", alpha: float | None = None,
+    dora: bool = False,
+):  # fmt: skip
     """``peft.get_peft_model`` on a transformers model: weights frozen, adapters added."""
     from peft import get_peft_model  # optional; imports bitsandbytes
 
-    config = lora_config(task_kind(model.config), r, targets, alpha)
+    config = lora_config(task_kind(model.config), r, targets, alpha, dora)
     with warnings.catch_warnings():  # peft calls a transformers method renamed in v5
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
         return get_peft_model(model, config)

@@ -48,6 +48,16 @@ def qlora_problem(qlora: bool, lora_r: int, precision: str, weight_dtype: str) -
     return None
 
 
+def dora_problem(dora: bool, lora_r: int, qlora: bool = False) -> str | None:
+    """Why a DoRA setting is not one (one sentence), or None: DoRA is a LoRA variant (a rank
+    > 0), and its magnitudes on a 4-bit base are not measured here."""
+    if dora and lora_r <= 0:
+        return "DoRA is a LoRA variant: give it a LoRA rank (lora_r > 0)"
+    if dora and qlora:
+        return "DoRA on a 4-bit QLoRA base is not measured here: use dora or qlora, not both"
+    return None
+
+
 # RunConfig.checkpoint_policy: what a checkpointed layer keeps for backward (lesson 16).
 # "full": only the layer's input, the rest recomputed; "selective": also what matrix
 # multiplications and attention kernels return (helpers.memory_savers.save_matmuls).

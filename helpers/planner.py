@@ -52,6 +52,7 @@ from helpers.names import (
     MiB,
     TiB,
     activation_fields,
+    dora_problem,
     human_bytes,
     weights_problem,
 )
@@ -320,15 +321,17 @@ def candidates(
     weights=None,
     exhaustive: bool = False,
     first_fit: bool = False,
+    dora: bool = False,
 ) -> list[Candidate]:
     """Every configuration of the search space with its estimated peak; cheapest fitting first.
 
     A candidate fits when its estimated peak is within ``usable_budget(budget, device)``.
     ``checkpointing``: entries of ``names.ACTIVATION_SETTINGS`` (True/False: full/none);
     default all of them, offload only on a device it moves activations off (not the CPU).
-    ``lora_r`` > 0 trains LoRA adapters (``qlora``: on 4-bit weights, 16-bit precisions only).
-    ``weights``: (weight_dtype, bf16_update) pairs; default ``weight_settings``: fp32 weights,
-    and bf16 weights with no master copy where bf16 is searched. bf16 weights train in bf16
+    ``lora_r`` > 0 trains LoRA adapters (``qlora``: on 4-bit weights, 16-bit precisions only;
+    ``dora``: DoRA's). ``weights``: (weight_dtype, bf16_update) pairs; default
+    ``weight_settings``: fp32 weights, and bf16 weights with no master copy where bf16 is
+    searched. bf16 weights train in bf16
     only, with AdamW (Kahan's) in full fine-tuning and any optimizer under LoRA.
     Each setting's micro-batches are estimated from the largest down to the first that fits:
     the smaller ones would fit too but cost more, so they cannot be the answer and are left
@@ -341,13 +344,15 @@ def candidates(
     counts them.
     """
     dev = resolve(device)
+    if problem := dora_problem(dora, lora_r, qlora):
+        raise ValueError(problem)
     limit = usable_budget(budget, dev)
     precisions = list(precisions or available_precisions(dev))
     if qlora:
         precisions = [p for p in precisions if p in AUTOCAST]
     optimizers = list(optimizers or available_optimizers())
     weights = list(weights or weight_settings(precisions, optimizers, lora_r > 0, qlora))
-    infos = _Described(model, lora_r, lora_targets)
+    infos = _Described(model, lora_r, lora_targets, dora)
     space = _space(effective_batch, activation_settings(checkpointing, dev), precisions,
                    optimizers, attentions, weights, lora_r > 0)  # fmt: skip
     estimate_one = functools.partial(_candidate, infos, effective_batch, seq_len, dev, qlora,
@@ -488,13 +493,14 @@ class _Described(dict):
     a search asks for it: a LoRA model is wrapped by peft on the meta device for each, and a
     search that stops early asks for few of them."""
 
-    def __init__(self, model, lora_r: int, lora_targets: str) -> None:
+    def __init__(self, model, lora_r: int, lora_targets: str, dora: bool = False) -> None:
         super().__init__()
-        self.model, self.lora_r, self.lora_targets = model, lora_r, lora_targets
+        self.model, self.lora = model, (lora_r, lora_targets)
+        self.dora = dora
 
     def __missing__(self, key: tuple[str, str]) -> ModelInfo:
         attn, weight_dtype = key
-        info = describe_model(self.model, attn, self.lora_r, self.lora_targets, weight_dtype)
+        info = describe_model(self.model, attn, *self.lora, weight_dtype, self.dora)
         self[key] = info
         return info
 
@@ -613,9 +619,11 @@ def measure_candidate(
     budget: int | None = None,
     device: str | None = None,
     isolate: bool = True,
+    **lora,
 ) -> CandidateResult:
-    """Run a candidate, tracking one step's peak under ``budget`` (speed: ``time_candidates``)."""
-    cfg = cand.run_config(model, seq_len, device=device, warmup=1, flops=False)
+    """Run a candidate, tracking one step's peak under ``budget`` (speed: ``time_candidates``);
+    ``lora``: RunConfig's LoRA fields of the search (lora_r, lora_targets, qlora, dora)."""
+    cfg = cand.run_config(model, seq_len, device=device, warmup=1, flops=False, **lora)
     if isolate:
         outcome = call_isolated(_run, cfg, budget)
         if outcome.error:
@@ -629,17 +637,19 @@ def measure_candidate(
     return CandidateResult(cand, measured_peak=peak)
 
 
-def time_candidates(measured: list[CandidateResult], model, seq_len: int, device=None, rounds=5):
+def time_candidates(measured: list[CandidateResult], model, seq_len: int, device=None, rounds=5,
+                    **lora):  # fmt: skip
     """Time the candidates that ran against each other in interleaved rounds; fill in speeds.
 
     Each candidate trains in a process of its own (``helpers.isolate.compare_benches``), so a
-    slow spell of the machine hits them all alike. Returns the ``Comparison`` (seconds per
-    sample), or None when no candidate ran.
+    slow spell of the machine hits them all alike (``lora`` as ``measure_candidate``'s).
+    Returns the ``Comparison`` (seconds per sample), or None when no candidate ran.
     """
     ok = [m for m in measured if m.ok]
     if not ok:
         return None
-    cfgs = {m.candidate.label: m.candidate.run_config(model, seq_len, device=device) for m in ok}
+    cfgs = {m.candidate.label: m.candidate.run_config(model, seq_len, device=device, **lora)
+            for m in ok}  # fmt: skip
     comparison = compare_runs(cfgs, device, rounds=rounds, max_rounds=rounds)
     for m in ok:
         label = m.candidate.label
@@ -683,11 +693,12 @@ def plan(
     weights = _weights_within(info, budget, 2 if bf16 or space.get("lora_r") else 4)
     cands = candidates(model, budget, effective_batch, seq_len, dev, **space)
     fitting = [c for c in cands if c.fits]
+    lora = {k: space[k] for k in ("lora_r", "lora_targets", "qlora", "dora") if space.get(k)}
     measured = [
-        measure_candidate(c, model, seq_len, budget, device, isolate)
+        measure_candidate(c, model, seq_len, budget, device, isolate, **lora)
         for c in progress(shortlist(cands, top_k), "candidates (peak, then rounds)")
     ]
-    timing = time_candidates(measured, model, seq_len, device, rounds)
+    timing = time_candidates(measured, model, seq_len, device, rounds, **lora)
     measured.sort(key=lambda m: (not m.ok, -(m.samples_per_s or 0.0)))
     ok = [m for m in measured if m.ok]
     best = ok[0] if ok else None

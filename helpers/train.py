@@ -16,7 +16,13 @@ from helpers import device as device_api
 from helpers.data import MarkovTask, markov_batch, random_batch
 from helpers.device import nvml_used_bytes, resolve
 from helpers.hardware import hardware_report, precision_problem
-from helpers.memory import CategoryTracker, allocator_peaks, memory_budget, reset_device_peaks
+from helpers.memory import (
+    CategoryTracker,
+    allocator_peaks,
+    dora_graphs_collected,
+    memory_budget,
+    reset_device_peaks,
+)
 from helpers.memory_savers import (
     ChunkedCausalLMLoss,
     OptimizerInBackward,
@@ -37,6 +43,7 @@ from helpers.names import (
     BNB_OPTIMIZERS,
     OPTIMIZERS,
     activations_problem,
+    dora_problem,
     qlora_problem,
     seq_len_problem,
     setting_problem,
@@ -95,6 +102,7 @@ class RunConfig:
     lora_r: int = 0  # LoRA rank (peft); 0 = full fine-tuning, every weight trained
     lora_targets: str = ""  # comma-separated module names, "all-linear", "" = peft's default
     qlora: bool = False  # the LoRA base's Linear layers in 4 bits (NF4, bitsandbytes; lesson 13)
+    dora: bool = False  # DoRA: LoRA plus a trained magnitude per output row (peft use_dora; 13)
     optimizer_in_backward: bool = False  # step each parameter inside backward (lesson 16)
     loss_chunk: int = 0  # causal LM: tokens of logits per chunk of the loss; 0 = all (lesson 16)
 
@@ -114,7 +122,8 @@ class RunConfig:
                                self.seq_len, self.grad_accum) or weights_problem(
             self.weight_dtype, self.state_dtype, self.bf16_update, self.precision,
             self.optimizer, self.lora_r) or qlora_problem(
-            self.qlora, self.lora_r, self.precision, self.weight_dtype) or activations_problem(
+            self.qlora, self.lora_r, self.precision, self.weight_dtype) or dora_problem(
+            self.dora, self.lora_r, self.qlora) or activations_problem(
             self.gradient_checkpointing, self.checkpoint_policy)  # fmt: skip
 
     def model_config(self):
@@ -381,7 +390,7 @@ class Trainee:
             selective = cfg.checkpoint_policy == "selective"
             enable_checkpointing(self.model, selective_context_fn() if selective else None)
         if cfg.lora_r:  # freeze the weights and add adapters before the optimizer sees them
-            self.model = apply_lora(self.model, cfg.lora_r, cfg.lora_targets)
+            self.model = apply_lora(self.model, cfg.lora_r, cfg.lora_targets, dora=cfg.dora)
         self.model.train()
         self.n_params = count_params(self.model)
         self.n_tensors = len(list(self.model.parameters()))
@@ -476,7 +485,7 @@ def _measure(cfg: RunConfig) -> Record:
     # down, so it is timed separately below).
     tracker = CategoryTracker(budget=cfg.budget if device.type != "cuda" else None, device=device)
     tracker.track_external(trainee.model, trainee.optimizer)
-    with tracker:
+    with dora_graphs_collected(trainee.model), tracker:
         trainee.step()
     categories = tracker.peaks()
     del tracker

@@ -97,7 +97,7 @@ def test_a_run_checks_its_setting_once_and_says_what_to_do(monkeypatch):
     from helpers.train import RunConfig, Trainee
 
     assert RunConfig().problem() is None
-    assert "unknown optimizer 'lion'" in RunConfig(optimizer="lion").problem()
+    assert "unknown optimizer 'lamb'" in RunConfig(optimizer="lamb").problem()
     assert "unknown attention" in RunConfig(attn="paged").problem()
     assert "must be positive" in RunConfig(batch_size=0).problem()
     assert "LoRA rank -1" in RunConfig(lora_r=-1).problem()
@@ -116,7 +116,7 @@ def test_a_run_checks_its_setting_once_and_says_what_to_do(monkeypatch):
     real = train.load_config
     monkeypatch.setattr(train, "load_config", lambda name: reads.append(name) or real(name))
     with pytest.raises(ValueError, match="unknown optimizer"):
-        Trainee(RunConfig(optimizer="lion", device="cpu"))
+        Trainee(RunConfig(optimizer="lamb", device="cpu"))
     assert reads == []  # refused before anything was read or built
     Trainee(RunConfig(batch_size=1, seq_len=8, device="cpu"))
     assert reads == ["bert-tiny"]

@@ -112,6 +112,22 @@ def test_plan_measures_and_the_winner_fits():
     assert best.label in result.reason and result.runner_up.candidate.label in result.reason
 
 
+def test_plan_measures_and_times_the_lora_setting_it_searched(monkeypatch):
+    # The candidates carry the search's settings, not its LoRA: plan hands that to the runs.
+    from helpers import planner
+
+    seen = []
+
+    def measured(cand, model, seq_len, budget=None, device=None, isolate=True, **lora):
+        seen.append(cand.run_config(model, seq_len, **lora))
+        return planner.CandidateResult(cand, error="not run")
+
+    monkeypatch.setattr(planner, "measure_candidate", measured)
+    plan(MODEL, 64 * MiB, BATCH, SEQ, device="cpu", top_k=1, precisions=["fp32"],
+         optimizers=["adamw"], lora_r=4, lora_targets="query,value", dora=True)  # fmt: skip
+    assert [(c.lora_r, c.lora_targets, c.dora) for c in seen] == [(4, "query,value", True)]
+
+
 def test_plan_refuses_a_budget_below_the_weights():
     with pytest.raises(ValueError, match="below the weights alone"):
         plan(MODEL, 1 * MiB, BATCH, SEQ, device="cpu")

@@ -90,6 +90,7 @@ class CalculatorSetting:
     offload_activations: bool = False  # as RunConfig: saved tensors in host memory
     optimizer_in_backward: bool = False  # as RunConfig (lesson 16)
     loss_chunk: int = 0  # as RunConfig: tokens per chunk of a causal LM's loss (lesson 16)
+    dora: bool = False  # as RunConfig: DoRA's adapters (with a LoRA rank; lesson 13)
 
     @property
     def method(self) -> str:
@@ -108,11 +109,13 @@ class CalculatorSetting:
             checkpoint_policy=self.checkpoint_policy,
             offload_activations=self.offload_activations,
             optimizer_in_backward=self.optimizer_in_backward, loss_chunk=self.loss_chunk,
+            dora=self.dora,
         )  # fmt: skip
 
     def describe(self) -> str:
         """One line naming the setting, e.g. ``llama-tiny, micro-batch 4 x 1, ...``."""
-        method = {"full": "full fine-tuning", "lora": f"LoRA rank {self.lora_r}",
+        lora = "DoRA" if self.dora else "LoRA"
+        method = {"full": "full fine-tuning", "lora": f"{lora} rank {self.lora_r}",
                   "qlora": f"QLoRA rank {self.lora_r}"}[self.method]  # fmt: skip
         parts = [
             self.model, f"micro-batch {self.batch_size} x {self.grad_accum} accumulated",
@@ -265,7 +268,7 @@ def suggest(setting: CalculatorSetting, report=None):
     """
     from helpers.planner import plan_for_card
 
-    lora = {"lora_r": setting.lora_r, "lora_targets": setting.lora_targets}
+    lora = {"lora_r": setting.lora_r, "lora_targets": setting.lora_targets, "dora": setting.dora}
     with _quiet():
         return plan_for_card(
             setting.model, setting.card, effective_batch=setting.batch_size * setting.grad_accum,
@@ -490,6 +493,7 @@ def _controls(w, s: CalculatorSetting) -> dict:
         "grad_accum": make(w.IntText, "accumulation steps", s.grad_accum),
         "lora_r": make(w.IntText, "LoRA rank (0: full)", s.lora_r),
         "qlora": make(w.Checkbox, "QLoRA (4-bit base)", s.qlora),
+        "dora": make(w.Checkbox, "DoRA (LoRA + magnitudes)", s.dora),
         "gradient_checkpointing": make(w.Checkbox, "checkpointing", s.gradient_checkpointing),
         "checkpoint_policy": make(w.Dropdown, "checkpoint policy", s.checkpoint_policy,
                                   options=CHECKPOINT_POLICIES),
@@ -693,6 +697,7 @@ def calculator(
     offload_activations: bool = False,
     optimizer_in_backward: bool = False,
     loss_chunk: int = 0,
+    dora: bool = False,
 ):
     """The memory calculator: widgets in a kernel with ipywidgets, else a static table.
 
@@ -702,13 +707,13 @@ def calculator(
     ``helpers.hardware.REFERENCE_CARDS`` ("t4", "l4", "a100-80", ...). ``weight_dtype`` and
     ``bf16_update`` are ``RunConfig``'s (bf16 weights with no fp32 copy, and their AdamW), as
     are ``checkpoint_policy``, ``offload_activations``, ``optimizer_in_backward`` and
-    ``loss_chunk`` (lesson 16's settings).
+    ``loss_chunk`` (lesson 16's settings), and ``dora`` (lesson 13).
     """
     setting = CalculatorSetting(model, batch_size, seq_len, precision, optimizer,
                                 gradient_checkpointing, grad_accum, lora_r, qlora, attn, card,
                                 lora_targets, weight_dtype, bf16_update, checkpoint_policy,
                                 offload_activations, optimizer_in_backward,
-                                loss_chunk)  # fmt: skip
+                                loss_chunk, dora)  # fmt: skip
     check_choices(setting)
     wanted = kernel_running() if interactive is None else interactive
     if not wanted:

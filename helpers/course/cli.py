@@ -19,6 +19,7 @@ from helpers.names import (
     WEIGHT_DTYPES,
     GiB,
     MiB,
+    dora_problem,
     weights_problem,
 )
 from helpers.results import default_store, load, save, summary_table
@@ -69,6 +70,7 @@ def _run_config(args):
         lora_r=args.lora_r,
         lora_targets=args.lora_targets,
         qlora=args.qlora,
+        dora=args.dora,
         attn=args.attn,
         device=args.device,
         warmup=args.warmup,
@@ -208,8 +210,9 @@ def _plan_space(args) -> tuple[dict, str | None]:
     optimizers, bad_o = listed(args.optimizer, OPTIMIZERS, "optimizer")
     attentions, bad_a = listed(args.attn, ATTENTION, "attention")
     kept, bad_k = listed(args.activations, ACTIVATION_SETTINGS, "activation setting")
-    problem = bad_p or bad_o or bad_a or bad_k
-    space = {"lora_r": args.lora_r, "lora_targets": args.lora_targets, "qlora": args.qlora}
+    problem = bad_p or bad_o or bad_a or bad_k or dora_problem(args.dora, args.lora_r, args.qlora)
+    space = {"lora_r": args.lora_r, "lora_targets": args.lora_targets, "qlora": args.qlora,
+             "dora": args.dora}  # fmt: skip
     if kept:
         space["checkpointing"] = kept
     if attentions:
@@ -263,6 +266,7 @@ def _plan_card(args, space: dict) -> int:
     lora = {
         "lora_r": space.pop("lora_r"),
         "lora_targets": space.pop("lora_targets") or "all-linear",
+        "dora": space.pop("dora"),
     }
     try:
         result = plan_for_card(args.model, card, args.effective_batch, args.seq_len, method,
@@ -533,6 +537,8 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (peft); 0: train all")
     p.add_argument("--lora-targets", default="", help='LoRA modules: "q_proj,v_proj", "all-linear"')
     p.add_argument("--qlora", action="store_true", help="LoRA on 4-bit frozen Linear weights (NF4)")
+    p.add_argument("--dora", action="store_true", help="DoRA: LoRA with a trained magnitude per "
+                   "output row (peft use_dora)")  # fmt: skip
     p.add_argument("--attn", default="sdpa", choices=list(ATTENTION),
                    help="sdpa: transformers' default; eager: the attention matrices")  # fmt: skip
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator)")
@@ -556,6 +562,7 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (peft); 0: full fine-tuning")
     p.add_argument("--lora-targets", default="", help='LoRA modules (--card: "all-linear")')
     p.add_argument("--qlora", action="store_true", help="LoRA on 4-bit frozen weights (NF4)")
+    p.add_argument("--dora", action="store_true", help="DoRA adapters (with --lora-r)")
     p.add_argument("--weight-dtype", default=None, help=f"{' | '.join(WEIGHT_DTYPES)}: only this "
                    "(default: fp32 and, where bf16 is searched, bf16 weights)")  # fmt: skip
     p.add_argument("--bf16-update", default=None, help=f"{' | '.join(BF16_UPDATES)} (default: "

@@ -18,6 +18,7 @@ from helpers.estimator.model import (
     TRACED,
     ModelInfo,
     describe_model,
+    is_dora,
 )
 from helpers.estimator.qlora import qlora_estimate
 from helpers.estimator.simulate import Estimate, _simulate
@@ -30,6 +31,7 @@ from helpers.names import (
     AUTOCAST,
     PRECISION_BYTES,
     activations_problem,
+    dora_problem,
     seq_len_problem,
     setting_problem,
     weights_problem,
@@ -61,21 +63,21 @@ def estimate(
     bf16_update: str = "nearest",
     checkpoint_policy: str = "full",
     offload_activations: bool = False,
+    dora: bool = False,
 ) -> Estimate:
     """Predicted per-category bytes of one steady-state training step (see the module doc).
 
     ``model`` is a bundled name, a config JSON path, a dict, a transformers config or a
     ``ModelInfo`` from ``describe_model`` (reuse one to estimate many settings quickly).
     ``device`` (default: ``helpers.device.default_device()``) picks CPU or CUDA behaviour.
-    ``lora_r`` > 0 trains LoRA adapters of that rank on ``lora_targets`` instead of every
-    weight (as ``RunConfig``; ignored when ``model`` is a ModelInfo, which already says it).
+    ``lora_r`` > 0 trains LoRA adapters of that rank on ``lora_targets`` (``dora``: DoRA's;
+    as ``RunConfig``; ignored when ``model`` is a ModelInfo, which already says it).
     ``path``: "analytical" (the stage model: bert, llama, mistral, qwen2, mixtral), "traced"
     (any architecture: ``helpers.estimator.traced``) or "auto": analytical where it exists
     and no LoRA is trained (the stage model's LoRA account is approximate, the traced one
     exact). ``Estimate.path`` says which one answered. ``qlora``: the LoRA step with the
     layers' frozen Linear weights in 4 bits (``helpers.estimator.qlora``; 16-bit precision).
-    ``moments``: a list that receives the stage model's walk through the step, moment by moment
-    (``simulate.PredictedMoment``; lesson 15 draws them): only the analytical path walks it.
+    ``moments``: a list that receives the stage model's walk, moment by moment (lesson 15).
     ``weight_dtype``, ``state_dtype``, ``bf16_update``, ``checkpoint_policy`` and
     ``offload_activations`` are ``RunConfig``'s (the module doc says which path knows which).
     """
@@ -83,7 +85,7 @@ def estimate(
                    gradient_checkpointing, checkpoint_policy)  # fmt: skip
     kept = (checkpoint_policy, offload_activations)
     info = _described(model, attn, lora_r, lora_targets, precision, optimizer, weight_dtype,
-                      state_dtype, bf16_update, seq_len)  # fmt: skip
+                      state_dtype, bf16_update, seq_len, dora, qlora)  # fmt: skip
     dev = resolve(device)
     staged = _staged(info, optimizer_in_backward, loss_chunk, precision, grad_accum, moments)
     trace_only = kept != ("full", False) or _step_traced(bf16_update, dev.type, path, staged)
@@ -109,14 +111,16 @@ def _step_traced(bf16_update: str, device_type: str, path: str, staged: bool) ->
 
 
 def _described(model, attn, lora_r, lora_targets, precision, optimizer, weight_dtype,
-               state_dtype, bf16_update, seq_len) -> ModelInfo:  # fmt: skip
-    """``describe_model`` after the weights' checks (``names.weights_problem``), and the
-    sequence length against the model's positions: ValueError."""
+               state_dtype, bf16_update, seq_len, dora=False,
+               qlora=False) -> ModelInfo:  # fmt: skip
+    """``describe_model`` after the weights' and DoRA's checks (``names.weights_problem``,
+    ``dora_problem``), and the sequence length against the model's positions: ValueError."""
+    rank = _lora_rank(model, lora_r)
     problem = weights_problem(weight_dtype, state_dtype, bf16_update, precision, optimizer,
-                              _lora_rank(model, lora_r))  # fmt: skip
+                              rank) or dora_problem(dora, rank, qlora)  # fmt: skip
     if problem:
         raise ValueError(problem)
-    info = describe_model(model, attn, lora_r, lora_targets, weight_dtype)
+    info = describe_model(model, attn, lora_r, lora_targets, weight_dtype, dora)
     if info.weight_dtype != weight_dtype:
         raise ValueError(
             f"this ModelInfo was described with {info.weight_dtype} weights, not "
@@ -172,6 +176,11 @@ def _choose_path(info: ModelInfo, path: str, precision: str, qlora: bool, staged
             f"{', '.join(SUPPORTED)}): use path='traced' or 'auto'"
         )
     lora = info.n_trainable < info.n_params
+    if is_dora(info) and (staged or path == "analytical"):
+        raise ValueError(
+            "DoRA is estimated on the traced path (path='traced' or 'auto'), which has no "
+            "moments, optimizer_in_backward or loss_chunk yet"
+        )
     if qlora and (not lora or precision not in AUTOCAST or path == "analytical"):
         raise ValueError(
             "QLoRA trains LoRA adapters (lora_r > 0) in 16-bit compute (precision bf16 or "
@@ -259,7 +268,8 @@ def trace_of(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_acc
     lora_r = lora[0].shape[0] if lora else 0
     targets = ",".join(sorted({p.name.split(".lora_A.")[0].rsplit(".", 1)[-1] for p in lora}))
     return trace_step(config, batch_size, seq_len, precision, gc, attn, grad_accum, device_type,
-                      lora_r, targets, frozen_16bit, optimizer, bf16_update, *kept)  # fmt: skip
+                      lora_r, targets, frozen_16bit, optimizer, bf16_update, *kept,
+                      dora=is_dora(info))  # fmt: skip
 
 
 def _traced(info, batch_size, seq_len, precision, optimizer, gc, attn, grad_accum, device_type,
@@ -474,5 +484,6 @@ def estimate_run(cfg: RunConfig, path: str = "auto") -> Estimate:
         state_dtype=cfg.state_dtype,
         bf16_update=cfg.bf16_update,
         qlora=cfg.qlora,
+        dora=cfg.dora,
         path=path,
     )

@@ -137,13 +137,19 @@ def _family(model_type: str) -> str:
 
 
 def describe_model(
-    model, attn: str = "eager", lora_r: int = 0, lora_targets: str = "", weight_dtype: str = "fp32"
+    model,
+    attn: str = "eager",
+    lora_r: int = 0,
+    lora_targets: str = "",
+    weight_dtype: str = "fp32",
+    dora: bool = False,
 ) -> ModelInfo:
     """Build ``model`` (name, path, dict or config) on the meta device and list its tensors.
 
     With ``lora_r`` > 0 peft adds LoRA adapters of that rank to ``lora_targets`` (as
     ``RunConfig.lora_targets``) and freezes everything else, as ``helpers.train.Trainee`` does.
-    ``weight_dtype`` "bf16" builds the weights in bf16 (peft's adapters stay fp32).
+    ``weight_dtype`` "bf16" builds the weights in bf16 (peft's adapters stay fp32). ``dora``:
+    DoRA's adapters (a magnitude vector per adapted layer besides A and B).
     """
     if isinstance(model, ModelInfo):
         return model
@@ -158,7 +164,24 @@ def describe_model(
         dtype = WEIGHT_TORCH_DTYPES[weight_dtype]
         net = auto.from_config(config, attn_implementation=attn, dtype=dtype)
         if lora_r:
-            net = apply_lora(net, lora_r, lora_targets)
+            net = apply_lora(net, lora_r, lora_targets, dora=dora)
+    params = _param_infos(net)
+    out_emb, in_emb = net.get_output_embeddings(), net.get_input_embeddings()
+    tied = out_emb is not None and out_emb.weight is in_emb.weight
+    buffers = tuple(b.numel() * b.element_size() for b in net.buffers())
+    return ModelInfo(
+        model_type=config.model_type,
+        family=family,
+        config={**config.to_dict(), EXPERTS_KEY: _experts_impl(net)},
+        params=tuple(params),
+        buffer_sizes=buffers,
+        tied=tied,
+        weight_dtype=weight_dtype,
+    )
+
+
+def _param_infos(net: torch.nn.Module) -> list[ParamInfo]:
+    """Each parameter of a built (meta) model as the estimator sees it: its stage and role."""
     owner = {}  # the first module that holds each parameter (for a tied weight: the embedding)
     for mod in net.modules():
         for p in mod.parameters(recurse=False):
@@ -180,18 +203,12 @@ def describe_model(
             ParamInfo(name, tuple(p.shape), stage, is_embedding, cast, p.requires_grad, p.dtype,
                       id(p) in hidden)
         )  # fmt: skip
-    out_emb, in_emb = net.get_output_embeddings(), net.get_input_embeddings()
-    tied = out_emb is not None and out_emb.weight is in_emb.weight
-    buffers = tuple(b.numel() * b.element_size() for b in net.buffers())
-    return ModelInfo(
-        model_type=config.model_type,
-        family=family,
-        config={**config.to_dict(), EXPERTS_KEY: _experts_impl(net)},
-        params=tuple(params),
-        buffer_sizes=buffers,
-        tied=tied,
-        weight_dtype=weight_dtype,
-    )
+    return params
+
+
+def is_dora(info: ModelInfo) -> bool:
+    """Whether the model's adapters are DoRA's (peft names its magnitudes so)."""
+    return any(".lora_magnitude_vector." in p.name for p in info.params)
 
 
 EXPERTS_KEY = "_experts_implementation"  # added to ModelInfo.config: not a config field

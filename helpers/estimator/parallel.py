@@ -125,7 +125,8 @@ def estimate_per_rank(
         state_info = describe_model(model, kw.get("attn", "eager"), kw.get("lora_r", 0),
                                     kw.get("lora_targets", ""), "fp32")  # fmt: skip
     info = describe_model(model, kw.get("attn", "eager"), kw.get("lora_r", 0),
-                          kw.get("lora_targets", ""), kw.get("weight_dtype", "fp32"))  # fmt: skip
+                          kw.get("lora_targets", ""), kw.get("weight_dtype", "fp32"),
+                          kw.get("dora", False))  # fmt: skip
     if strategy == "ddp":
         one = estimate(info, batch_size, seq_len, **estimate_kwargs)
         return _ddp(one, info, world_size, _device_type(estimate_kwargs))
@@ -171,6 +172,11 @@ def _refuse_for_fsdp(kw: dict, device_type: str) -> None:
             "the FSDP estimate does not model QLoRA: FSDP2 shards 4-bit weights packed into "
             "bnb_4bit_quant_storage tensors, which this course has not measured; estimate DDP "
             "(strategy='ddp') or one process"
+        )
+    if kw.get("dora"):
+        raise ValueError(
+            "the FSDP estimate does not model DoRA (its magnitudes under FSDP2 are not "
+            "measured here): estimate DDP (strategy='ddp') or one process"
         )
     if kw.get("bf16_update") == "stochastic" and device_type == "cpu":
         raise ValueError(

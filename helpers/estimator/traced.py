@@ -58,7 +58,7 @@ from transformers import masking_utils
 
 from helpers import compat
 from helpers.data import random_batch
-from helpers.memory import CATEGORY, CategoryTracker
+from helpers.memory import CATEGORY, CategoryTracker, dora_graphs_collected
 from helpers.memory_savers import offloaded, selective_context_fn
 from helpers.models import apply_lora, build_model, enable_checkpointing, load_config, task_kind
 from helpers.names import AUTOCAST
@@ -206,6 +206,7 @@ def trace_step(
     bf16_update: str = "nearest",
     checkpoint_policy: str = "full",
     offload_activations: bool = False,
+    dora: bool = False,
 ) -> Traced:
     """One forward and backward (two with accumulation) of ``config`` on fake tensors, tracked.
 
@@ -217,6 +218,7 @@ def trace_step(
     (``Traced.steps`` then holds it under ``step_name``). ``checkpoint_policy`` and
     ``offload_activations`` are ``RunConfig``'s: the selective policy and ``save_on_cpu``
     run in the trace as in a real step (``_offload_hooks``: what a CUDA step moves to the host).
+    ``dora``: the adapters are DoRA's (peft ``use_dora``).
 
     Deep models are traced at two small depths and extrapolated (``layer_depths``). Cached:
     the same model and setting is traced once per process (the planner asks for one trace
@@ -232,7 +234,7 @@ def trace_step(
     gc = checkpoint_policy if gradient_checkpointing else ""
     traced = _trace_cached(
         key, batch_size, seq_len, dtype, gc, attn, min(grad_accum, 2), device_type, lora_r,
-        lora_targets, frozen_16bit, offload_activations,
+        lora_targets, frozen_16bit, offload_activations, dora,
     )  # fmt: skip
     if optimizer is None or not traced.steppable(optimizer, bf16_update):
         return traced.traced
@@ -290,9 +292,10 @@ class TraceSet:
 
 @functools.lru_cache(maxsize=256)
 def _trace_cached(key, b, s, precision, gc, attn, accum, device_type, lora_r, lora_targets, half,
-                  offload):  # fmt: skip
+                  offload, dora=False):  # fmt: skip
     config = load_config(json.loads(key))
-    setting = (b, s, precision, gc, attn, accum, device_type, lora_r, lora_targets, half, offload)
+    setting = (b, s, precision, gc, attn, accum, device_type, lora_r, lora_targets, half, offload,
+               dora)  # fmt: skip
     plan = layer_plan(config)
     if plan is None:
         traced, _, kept = _trace(config, *setting)
@@ -365,7 +368,7 @@ def _with_layers(config, kinds: list[str]):
 
 
 def _trace(config, b, s, precision, gc, attn, accum, device_type, lora_r, lora_targets, half,
-           offload):  # fmt: skip
+           offload, dora=False):  # fmt: skip
     """Trace ``config`` whole: what it held (``Traced``) and its maxima per moment.
 
     ``gc``: "" (no checkpointing) or the checkpoint policy; ``offload``: the forward's saved
@@ -383,7 +386,7 @@ def _trace(config, b, s, precision, gc, attn, accum, device_type, lora_r, lora_t
             # peft deep-copies a classifier's head to train it; FakeCopyMode keeps the copy's
             # fresh tensors in this fake mode (a plain deepcopy makes them in another one).
             with FakeCopyMode(mode):
-                model = apply_lora(model, lora_r, lora_targets)
+                model = apply_lora(model, lora_r, lora_targets, dora=dora)
         model.train()
         compat.skip_idle_layerdrop(model)  # older transformers draw a number per layer
         batch = random_batch(kind, b, s, config.vocab_size)
@@ -391,6 +394,7 @@ def _trace(config, b, s, precision, gc, attn, accum, device_type, lora_r, lora_t
         tracker.track_external(model)
         at_step = _NoStep(tracker)
         with (
+            dora_graphs_collected(model),  # as measure() tracks a DoRA step
             tracker,
             semantics or contextlib.nullcontext(),
         ):  # the course's step; TraceSet.step traces an optimizer's on the kept model

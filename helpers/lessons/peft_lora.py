@@ -12,12 +12,10 @@ this way and ``helpers.estimator`` predicts it.
 
 from __future__ import annotations
 
-import gc
-
 import torch
 
 from helpers.estimator.qlora import nf4_bytes
-from helpers.memory import CategoryTracker
+from helpers.memory import CategoryTracker, dora_graphs_collected
 from helpers.models import load_config, parse_targets, task_kind
 from helpers.train import make_optimizer, train_step
 
@@ -102,34 +100,14 @@ def step_memory(model: torch.nn.Module, batch: dict) -> dict:
     """Per-category peaks (``CategoryTracker``, view 1) of one steady-state AdamW step on the
     trainable parameters of ``model`` (a transformers model, or a peft one): an untracked step
     first creates the optimizer state, as ``helpers.train.measure`` does. For variants that
-    ``RunConfig`` has no field for (DoRA, lesson 13).
-
-    The tracker's hooks on module outputs form reference cycles: a graph that the model drops
-    at once stays alive until Python's garbage collector runs. DoRA drops one in every forward
-    (its weight norm: an in x in identity matrix through A and B, used detached), so without
-    a collection after each DoRA layer the activations would vary from run to run by
-    multiples of that matrix. ``gc.freeze()`` first keeps those collections short: they scan
-    only the objects the step creates."""
-    from peft.tuners.lora import LoraLayer  # optional; imports bitsandbytes
-
+    ``RunConfig`` has no field for (PiSSA, OLoRA, lesson 13). DoRA's dropped graphs are
+    collected as the tracker needs (``helpers.memory.dora_graphs_collected``)."""
     optimizer = make_optimizer("adamw", model)  # the trainable parameters only
     train_step(model, optimizer, [batch])
-
-    def collect(*_) -> None:  # a hook that returns nothing leaves the output as it is
-        gc.collect()
-
-    dora = [m for m in model.modules() if isinstance(m, LoraLayer) and m.lora_magnitude_vector]
-    hooks = [m.register_forward_hook(collect) for m in dora]
     tracker = CategoryTracker(device=next(model.parameters()).device)
     tracker.track_external(model, optimizer)
-    gc.freeze()
-    try:
-        with tracker:
-            train_step(model, optimizer, [batch])
-    finally:
-        gc.unfreeze()
-        for hook in hooks:
-            hook.remove()
+    with dora_graphs_collected(model), tracker:
+        train_step(model, optimizer, [batch])
     return tracker.peaks().as_dict()
 
 
