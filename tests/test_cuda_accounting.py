@@ -51,7 +51,7 @@ def test_estimator_counts_each_cuda_tensor_as_the_allocator_holds_it(name):
     assert est.gradients == est.params
     # AdamW: exp_avg and exp_avg_sq shaped like each weight, the step counters on the CPU.
     assert est.optimizer_state == 2 * est.params
-    for opt in ("sgd", "adafactor", "adamw8bit"):
+    for opt in ("sgd", "adafactor", "adamw8bit", "lion", "lion8bit", "muon"):
         got = estimate(describe_model(name), 2, 32, optimizer=opt, device=CUDA).optimizer_state
         rows = expected_state(model, opt)  # the rules lesson 06 checks against real state
         assert got == tracked_bytes(rows, CUDA), opt

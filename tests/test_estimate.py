@@ -129,26 +129,21 @@ def test_8bit_adamw_state_is_exact(models, family):
 
 
 @pytest.mark.parametrize(
-    "family, optimizer, weights",
-    [("llama-tiny", "lion8bit", "fp32"), ("bert-tiny", "muon", "fp32"),
-     ("llama-tiny", "muon", "bf16")],
+    "family, weights", [("bert-tiny", "fp32"), ("llama-tiny", "bf16")]
 )  # fmt: skip
-def test_lion_and_muon_state_is_exact(models, family, optimizer, weights):
+def test_muon_state_is_exact(models, family, weights):
     # Muon's step scratch is checked alone in tests/test_optimizers.py (to the byte); here its
     # state and the AdamW half's, and the peak, which for Muon falls in the optimizer step.
-    if optimizer != "muon":
-        bnb = pytest.importorskip("bitsandbytes")
-        bnb.optim.GlobalOptimManager.get_instance().initialize()  # see the test above
+    # (Lion's state: tests/test_optimizers.py and tests/test_cuda_accounting.py.)
     half = dict(precision="bf16", weight_dtype="bf16") if weights == "bf16" else {}
-    cfg = RunConfig(model=models[family], optimizer=optimizer, batch_size=2, seq_len=32,
+    cfg = RunConfig(model=models[family], optimizer="muon", batch_size=2, seq_len=32,
                     repeats=1, flops=False, **half)  # fmt: skip
     rec, est = measure(cfg), estimate_run(cfg)
     assert rec.ok, rec.error
     for key in EXACT:
         assert getattr(est, key) == rec.memory[key], key
     assert rel(est.peak, rec.memory["peak"]) < TOLERANCE, (est.peak, rec.memory["peak"])
-    if optimizer == "muon":
-        assert est.peak_at == "optimizer step"
+    assert est.peak_at == "optimizer step"
 
 
 def test_dora_is_estimated_exactly_and_measured_the_same_twice(models):
