@@ -219,7 +219,7 @@ def estimator_settings(device: str | None, quick: bool = False) -> dict[str, Run
     """The settings part b runs: the capstone's nine recipes on the encoder, then the decoder
     with SDPA in 16-bit, a family only the traced estimator knows, LoRA, bf16 weights with no
     fp32 copy (and their AdamW remedies, LoRA on a bf16 base), selective checkpointing,
-    offloaded activations and tf32."""
+    offloaded activations, Muon, 8-bit Lion, DoRA and tf32."""
     d = resolve(device)
     scale = get_scale(device=d)
     base = scale.run_config(device=str(d), repeats=max(3, scale.repeats), label="vanilla")
@@ -245,6 +245,12 @@ def estimator_settings(device: str | None, quick: bool = False) -> dict[str, Run
     out[f"{scale.decoder} selective checkpointing {bf16}"] = replace(
         kept, gradient_checkpointing=True, checkpoint_policy="selective")  # fmt: skip
     out[f"{scale.decoder} offloaded activations {bf16}"] = replace(kept, offload_activations=True)
+    # Lesson 06's and 13's settings: Muon (its Newton-Schulz scratch), 8-bit Lion, DoRA.
+    out[f"{scale.decoder} Muon {bf16}"] = replace(kept, optimizer="muon")
+    if not compat.missing_optional("bitsandbytes"):
+        out[f"{scale.decoder} 8-bit Lion {bf16}"] = replace(kept, optimizer="lion8bit")
+    out[f"{scale.decoder} DoRA r16 {bf16}"] = replace(kept, lora_r=16, lora_targets="all-linear",
+                                                      dora=True)  # fmt: skip
     if tf32_capable(d):
         out[f"{scale.encoder} tf32"] = replace(base, precision="tf32", flops=False)
     return {label: replace(c, label=label) for label, c in out.items()}
