@@ -75,14 +75,15 @@ def hidden_matrices(model: torch.nn.Module) -> set[int]:
 
     torch's Muon docs and Muon's authors leave embeddings, the output head and every vector
     (norms, biases) to AdamW. The hidden layers are the transformers model's base model (its
-    head is outside it), less its ``nn.Embedding`` weights.
+    head is outside it; under peft, the wrapped model's), less its ``nn.Embedding`` weights.
 
     Example::
 
         >>> muon = [p for p in model.parameters() if id(p) in hidden_matrices(model)]
     """
     embeddings = embedding_params(model)
-    base = getattr(model, "base_model", model)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's
+    base = getattr(inner, "base_model", inner)
     return {id(p) for p in base.parameters() if p.ndim == 2 and id(p) not in embeddings}
 
 

@@ -125,6 +125,17 @@ def test_muon_state_matches_prediction():
     assert bytes_per_param(real)["emb.weight"] == 8 * 6144 + 4
 
 
+def test_muon_leaves_the_head_to_adamw_under_peft_too():
+    from helpers.models import apply_lora, build_model, load_config
+    from helpers.optimizer_state import hidden_matrices
+
+    model = apply_lora(build_model(load_config("bert-tiny")), 4)  # peft trains the classifier
+    hidden = hidden_matrices(model)
+    rest = {n for n, p in model.named_parameters() if p.requires_grad and id(p) not in hidden}
+    assert all(".classifier." in n for n in rest), rest  # the adapters are all Muon's
+    assert any(n.endswith("classifier.modules_to_save.default.weight") for n in rest), rest
+
+
 def test_muon_step_scratch_is_the_rule():
     """Muon's step scratch, tracked on one matrix, equals optimizer_step_temporaries' rule."""
     for shape in [(64, 48), (48, 64), (32, 32)]:
