@@ -148,11 +148,10 @@ lint: $(ENV_READY)
 # The helpers' tests run in TEST_WORKERS processes (pytest-xdist, where it is installed), each
 # test file in one of them, so that a module's shared fixture runs once. On 2 cores two workers
 # took the suite from 632 s to 432 s (2026-11-29): much of it is single-threaded Python
-# (fake-tensor traces, fresh processes starting). The slowest files start first
-# (tests/conftest.py, SLOWEST_FILES). TEST_WORKERS=0: one process.
+# (fake-tensor traces, fresh processes starting). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),$(shell $(PYTHON) -c 'import xdist' 2>/dev/null \
-  && printf '%s' '-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder'))
+  && printf '%s' '-n $(TEST_WORKERS) --dist loadfile'))
 
 test-unit: $(ENV_READY)
 	@mkdir -p build

@@ -128,16 +128,13 @@ def test_8bit_adamw_state_is_exact(models, family):
     assert rel(est.peak, rec.memory["peak"]) < TOLERANCE
 
 
-@pytest.mark.parametrize(
-    "family, weights", [("bert-tiny", "fp32"), ("llama-tiny", "bf16")]
-)  # fmt: skip
-def test_muon_state_is_exact(models, family, weights):
-    # Muon's step scratch is checked alone in tests/test_optimizers.py (to the byte); here its
-    # state and the AdamW half's, and the peak, which for Muon falls in the optimizer step.
+def test_muon_state_is_exact(models):
+    # Muon's step scratch is checked alone in tests/test_optimizers.py (to the byte, fp32), and
+    # its split on an encoder with peft's head there too; here a decoder's bf16 weights: Muon's
+    # state and the AdamW half's exact, the peak (in the optimizer step) within 10 %.
     # (Lion's state: tests/test_optimizers.py and tests/test_cuda_accounting.py.)
-    half = dict(precision="bf16", weight_dtype="bf16") if weights == "bf16" else {}
-    cfg = RunConfig(model=models[family], optimizer="muon", batch_size=2, seq_len=32,
-                    repeats=1, flops=False, **half)  # fmt: skip
+    cfg = RunConfig(model=models["llama-tiny"], optimizer="muon", batch_size=2, seq_len=32,
+                    repeats=1, flops=False, precision="bf16", weight_dtype="bf16")  # fmt: skip
     rec, est = measure(cfg), estimate_run(cfg)
     assert rec.ok, rec.error
     for key in EXACT:

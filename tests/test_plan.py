@@ -124,7 +124,8 @@ def test_plan_measures_and_times_the_lora_setting_it_searched(monkeypatch):
 
     monkeypatch.setattr(planner, "measure_candidate", measured)
     plan(MODEL, 64 * MiB, BATCH, SEQ, device="cpu", top_k=1, precisions=["fp32"],
-         optimizers=["adamw"], lora_r=4, lora_targets="query,value", dora=True)  # fmt: skip
+         optimizers=["adamw"], attentions=["sdpa"], checkpointing=["none"], lora_r=4,
+         lora_targets="query,value", dora=True)  # fmt: skip
     assert [(c.lora_r, c.lora_targets, c.dora) for c in seen] == [(4, "query,value", True)]
 
 
