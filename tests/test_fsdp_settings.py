@@ -34,17 +34,19 @@ def test_fsdp_of_bf16_weights_per_rank_is_the_tracker():
     _assert_per_rank(est, result)
 
 
-def _assert_per_rank(est, result) -> None:
+def _assert_per_rank(est, result, slack: int = 0) -> None:
     """The state, the gathered units and the all-gather buffers exactly (the buffers: two
     consecutive outputs, or one unit more: gloo's worker thread can release a finished
-    collective's tensors after the next one started); activations and peak within 10%."""
+    collective's tensors after the next one started, ``slack`` more where the test says why);
+    activations and peak within 10%."""
     assert [r.rank for r in result.ranks] == [0, 1]
     for r in result.ranks:
         m = r.memory
         for key in ("params", "gradients", "optimizer_state", "gathered_params"):
             assert getattr(est, key) == m[key], (key, getattr(est, key), m[key])
         assert est.communication_buffers <= m["communication_buffers"]
-        assert m["communication_buffers"] <= est.communication_buffers + est.gathered_params
+        late = est.gathered_params + slack  # what gloo's thread may still hold
+        assert m["communication_buffers"] <= est.communication_buffers + late
         assert est.activations == pytest.approx(m["activations"], rel=0.10)
         assert est.peak == pytest.approx(m["peak"], rel=0.10), (est.peak, est.peak_at, m)
 
@@ -77,7 +79,10 @@ def test_fsdp_mixed_precision_policy_per_rank_is_the_tracker():
     for key in ("params", "gradients", "optimizer_state"):
         assert getattr(est, key) == getattr(fp32, key), key
     assert 2 * est.gathered_params == fp32.gathered_params
-    _assert_per_rank(est, result)
+    # Under the policy backward reduce-scatters an fp32 copy of each unit's gradients (twice
+    # the bf16 unit); gloo's thread may hold part of one late too: a fresh clone's run under
+    # load measured 1,155,840 B of buffers against 1,107,456 B allowed without it (2026-11-30).
+    _assert_per_rank(est, result, slack=2 * est.gathered_params)
     with pytest.raises(ValueError, match="strategy 'fsdp'"):
         estimate_per_rank(CFG.model, 2, "ddp", B, S, param_dtype="bf16")
     with pytest.raises(ValueError, match="leave weight_dtype fp32"):
