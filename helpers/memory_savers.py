@@ -69,7 +69,25 @@ def offloaded(loss_of: Callable, device: torch.device) -> Callable:
 IGNORE = -100  # the label transformers' losses skip (padding, and the token after the last)
 
 
-class OptimizerInBackward:
+class OptimizerGroup:
+    """Several optimizers standing where one ``torch.optim.Optimizer`` stands: ``optimizers``
+    (a dict of them) gives ``state`` and ``param_groups`` together, which the tracker and
+    GradScaler read (``OptimizerInBackward``, ``helpers.train.MuonWithAdamW``)."""
+
+    optimizers: dict
+
+    @property
+    def state(self) -> dict:
+        """Every parameter's optimizer state (as ``Optimizer.state``)."""
+        return {p: s for opt in self.optimizers.values() for p, s in opt.state.items()}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """Every optimizer's parameter groups."""
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+
+class OptimizerInBackward(OptimizerGroup):
     """One optimizer per parameter, stepped from the parameter's post-accumulate-grad hook.
 
     ``make(params)`` builds the optimizer for a one-parameter list (``helpers.train``'s
@@ -104,16 +122,6 @@ class OptimizerInBackward:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing: each gradient was freed right after its own step."""
-
-    @property
-    def state(self) -> dict:
-        """Every parameter's optimizer state (as ``Optimizer.state``)."""
-        return {p: s for opt in self.optimizers.values() for p, s in opt.state.items()}
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """Every per-parameter optimizer's parameter group."""
-        return [g for opt in self.optimizers.values() for g in opt.param_groups]
 
     def remove(self) -> None:
         """Take the hooks off the parameters (the model then trains with a normal optimizer)."""

@@ -25,6 +25,7 @@ from helpers.memory import (
 )
 from helpers.memory_savers import (
     ChunkedCausalLMLoss,
+    OptimizerGroup,
     OptimizerInBackward,
     offloaded,
     selective_context_fn,
@@ -216,14 +217,14 @@ def _bnb_optimizer(name: str, model: torch.nn.Module, params, lr: float):
     return bnb.optim.AdamW8bit(params, lr=lr)
 
 
-class MuonWithAdamW:
+class MuonWithAdamW(OptimizerGroup):
     """``torch.optim.Muon`` on the hidden layers' matrices, ``torch.optim.AdamW`` on the rest.
 
     Muon orthogonalises each 2-D update (Newton-Schulz iterations in bf16) and keeps one
     momentum buffer per matrix; torch's docs leave embeddings, the head and vectors to AdamW
     (``helpers.optimizer_state.hidden_matrices`` picks them). Muon's ``"match_rms_adamw"``
     scaling (Moonshot's) lets both halves take AdamW's learning rate and weight decay. Steps,
-    zeroes and lists state like one optimizer; the tracker sees both (``optimizers``).
+    zeroes and lists state like one optimizer (``OptimizerGroup``); the tracker sees both.
 
     Example::
 
@@ -251,16 +252,6 @@ class MuonWithAdamW:
         """Both halves' gradients."""
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=set_to_none)
-
-    @property
-    def state(self) -> dict:
-        """Every parameter's state (as ``Optimizer.state``)."""
-        return {p: s for o in self.optimizers.values() for p, s in o.state.items()}
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """Both halves' parameter groups (what GradScaler unscales)."""
-        return [g for o in self.optimizers.values() for g in o.param_groups]
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
