@@ -4,7 +4,9 @@ low-rank update beside them, y = W x + (alpha / r) B A x, with peft's LoraConfig
 The frozen weights get no gradients and no optimizer state, so those two shrink to the
 adapters' size (r x (in + out) per layer); the weights and the activations stay as large as
 before, and each step still runs the full forward and backward. `--qlora` also stores the frozen
-weights in 4-bit NF4 (bitsandbytes), about a quarter of bf16's bytes (here on CUDA GPUs only)
+weights in 4-bit NF4 (bitsandbytes), about a quarter of bf16's bytes (here on CUDA GPUs only);
+`--dora` trains a magnitude per output row beside the adapters (DoRA), and each adapted layer
+saves two more activations of its output's size for the backward
 ("Methods and tools for efficient training on a single GPU", section "Using PEFT",
 https://huggingface.co/docs/transformers/perf_train_gpu_one; peft's "LoRA" guide,
 https://huggingface.co/docs/peft/developer_guides/lora). No TrainingArguments switch: hand the
@@ -12,6 +14,7 @@ Trainer the model get_peft_model returns (TRL's SFTTrainer takes `peft_config=`)
 
     python recipes/lora.py --size 1b --batch-size 4 --seq-len 1024 --lora-r 16 --device cuda
     python recipes/lora.py --qlora --model-path meta-llama/Llama-3.2-1B --seq-len 1024
+    python recipes/lora.py --dora
 """
 
 import argparse
@@ -53,6 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--lora-alpha", type=float, help="adapter scale alpha (default 2 r)")
     p.add_argument("--qlora", action="store_true", help="frozen weights in 4-bit NF4 (CUDA)")
     p.add_argument("--model-path", help="--qlora: a saved or Hub model, used instead of --size")
+    p.add_argument("--dora", action="store_true", help="DoRA: also a magnitude per output row")
     # <<<
     return p.parse_args(argv)
 
@@ -123,6 +127,7 @@ def build_model(args, device):
         lora_alpha=args.lora_alpha or 2 * args.lora_r,
         target_modules="all-linear",
         lora_dropout=0.0,
+        use_dora=args.dora,  # DoRA: each output row of W + BA rescaled to a trained length
         task_type="CAUSAL_LM",
     )
     model = peft.get_peft_model(model, lora)

@@ -1,4 +1,4 @@
-"""Optimizers with less state (lesson 06): Adafactor or 8-bit AdamW in place of AdamW.
+"""Optimizers with less state (lesson 06): Adafactor, 8-bit AdamW, Lion or Muon for AdamW.
 
 AdamW keeps two fp32 moments per weight, 8 bytes per parameter: twice the weights' own bytes.
 torch.optim.Adafactor (torch 2.5+) keeps no first moment and stores the second as one row and
@@ -8,9 +8,13 @@ saving shows at the optimizer step, when the state is allocated; the step's time
 changes ("Methods and tools for efficient training on a single GPU", section "Optimizers",
 https://huggingface.co/docs/transformers/perf_train_gpu_one). Trainer:
 `optim="adafactor"` (transformers' own Adafactor, which takes an AdamW-like rate such as 1e-3)
-or `optim="adamw_bnb_8bit"`.
+or `optim="adamw_bnb_8bit"`. Lion (bitsandbytes; `optim="lion_32bit"`, `"lion_8bit"`) keeps
+one moment, 4 or about 1 byte per parameter; torch.optim.Muon keeps one momentum buffer for
+the hidden layers' matrices and leaves the rest to AdamW (no `optim=` name: hand the Trainer
+the optimizer through `optimizers=`).
 
     python recipes/optimizers.py --size 1b --batch-size 4 --seq-len 1024 --optim adamw8bit
+    python recipes/optimizers.py --optim muon
 """
 
 import argparse
@@ -44,11 +48,29 @@ def parse_args(argv=None):
     p.add_argument("--attn", default="sdpa", help="attention implementation (sdpa, eager)")
     p.add_argument("--device", help="cpu, cuda, mps... (default: the accelerator, if any)")
     # >>> optimizers: which optimizer replaces AdamW
-    p.add_argument("--optim", choices=["adafactor", "adamw8bit"], default="adafactor")
+    p.add_argument("--optim", choices=["adafactor", "adamw8bit", "lion", "lion8bit", "muon"],
+                   default="adafactor")  # fmt: skip
     # <<<
     return p.parse_args(argv)
 
 
+# >>> optimizers: Muon and AdamW stepped as one optimizer (--optim muon)
+class MuonAndAdamW:
+    """Several optimizers where the loop expects one: step() and zero_grad() reach each."""
+
+    def __init__(self, **optimizers):
+        self.optimizers = optimizers
+
+    def step(self):
+        for optimizer in self.optimizers.values():
+            optimizer.step()
+
+    def zero_grad(self, set_to_none=True):
+        for optimizer in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+# <<<
 class CopyTask(Dataset):
     """Random token ids whose second half repeats the first. A model that learns to copy
     predicts the second half, so the loss falls from ln(vocab) toward half of it."""
@@ -85,13 +107,26 @@ def build(args):
     model = build_model(args, device)
     data = CopyTask(args.batch_size * args.steps, args.seq_len, model.config.vocab_size)
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
-    # >>> optimizers: Adafactor or 8-bit AdamW in place of AdamW (SystemExit(message) exits
-    # without a traceback, as sys.exit does)
+    # >>> optimizers: Adafactor, 8-bit AdamW, Lion or Muon in place of AdamW (SystemExit(message)
+    # exits without a traceback, as sys.exit does)
     if args.optim == "adafactor":
         # torch's Adafactor scales each step by the weight's RMS, about initializer_range (0.02)
         # at the start, so AdamW's rate divided by it gives steps of AdamW's size (0.05 for 1e-3)
         lr = args.lr / getattr(model.config, "initializer_range", 0.02)
         optimizer = torch.optim.Adafactor(model.parameters(), lr=lr)
+    elif args.optim == "muon":
+        # Muon orthogonalises each update of a 2-D matrix, so it takes the hidden layers'
+        # matrices only; embeddings, the output head and vectors (norms) go to AdamW, as torch's
+        # docs and Muon's authors advise. "match_rms_adamw" scales Muon's update to AdamW's size,
+        # so both take AdamW's learning rate.
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        muon = [p for p in model.base_model.parameters() if p.ndim == 2 and id(p) not in embeddings]
+        rest = [p for p in model.parameters() if all(p is not q for q in muon)]
+        optimizer = MuonAndAdamW(
+            muon=torch.optim.Muon(muon, lr=args.lr, weight_decay=0.01,
+                                  adjust_lr_fn="match_rms_adamw"),
+            adamw=torch.optim.AdamW(rest, lr=args.lr),
+        )  # fmt: skip
     else:
         try:
             import bitsandbytes as bnb
@@ -108,7 +143,12 @@ def build(args):
             if isinstance(module, torch.nn.Embedding):
                 manager.register_module_override(module, "weight", {"optim_bits": 32})
         # tensors under 4096 values (the norms' weights) keep 32-bit state too: min_8bit_size
-        optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=args.lr)
+        if args.optim == "adamw8bit":
+            optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=args.lr)
+        else:  # Lion: the sign of a blend of its one moment and the gradient; its authors take
+            # a rate 3-10x smaller than AdamW's (the update's entries are all +-lr)
+            bits = 32 if args.optim == "lion" else 8
+            optimizer = bnb.optim.Lion(model.parameters(), lr=args.lr / 3, optim_bits=bits)
     # <<<
     return model, optimizer, loader, device
 

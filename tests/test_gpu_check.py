@@ -81,7 +81,8 @@ def test_the_recipes_on_a_gpu_include_the_gpu_only_variants():
     labels = [label for label, _ in G.recipe_runs("cuda")]
     assert {"base", "ddp", "fsdp2", "fp8", "profile_memory"} <= set(labels)
     assert {"mixed_precision --precision fp16", "optimizers --optim adamw8bit", "lora --qlora",
-            "attention --backend flash --precision bf16"} <= set(labels)  # fmt: skip
+            "attention --backend flash --precision bf16", "optimizers --optim muon",
+            "lora --dora"} <= set(labels)  # fmt: skip
     ddp = dict(G.recipe_runs("cuda"))["ddp"]
     assert "--standalone" in ddp and ddp[ddp.index("--device") + 1] == "cuda"
     assert [label for label, _ in G.recipe_runs("cpu", quick=True)] == ["base"]

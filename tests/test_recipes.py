@@ -132,9 +132,9 @@ def run_launched(name: str, *args: str) -> str:
     return done.stdout
 
 
-# Where a lesson measures the same setting: the recipe's flags (none: its defaults), the
-# lesson's RunConfig, and bytes the lesson's step holds that the recipe's does not (exact,
-# each with its reason).
+# Where a lesson measures the same setting (recipe[:variant]): the recipe's flags (none: its
+# defaults), the lesson's RunConfig, and bytes the lesson's step holds that the recipe's does
+# not (exact, each with its reason).
 SAME_SETTING = {
     "base": ((), {}, {}),
     # helpers.train.train_step keeps a running total of the micro-batches' losses (a float32
@@ -144,7 +144,11 @@ SAME_SETTING = {
     "mixed_precision": ((), {"precision": "bf16"}, {}),
     "pure_bf16": ((), {"precision": "bf16", "weight_dtype": "bf16", "bf16_update": "kahan"}, {}),
     "optimizers": ((), {"optimizer": "adafactor"}, {}),
+    "optimizers:lion": (("--optim", "lion"), {"optimizer": "lion"}, {}),
+    "optimizers:lion8bit": (("--optim", "lion8bit"), {"optimizer": "lion8bit"}, {}),
+    "optimizers:muon": (("--optim", "muon"), {"optimizer": "muon"}, {}),
     "lora": ((), {"lora_r": 16, "lora_targets": "all-linear"}, {}),
+    "lora:dora": (("--dora",), {"lora_r": 16, "lora_targets": "all-linear", "dora": True}, {}),
     "chunked_loss": ((), {"loss_chunk": 128}, {}),
 }
 
@@ -201,12 +205,15 @@ def test_the_recipe_trains_in_the_bytes_its_lesson_measured(name, training_confi
     """The course's tracker over the recipe's own training step gives the bytes per category
     that the lesson's measurement of the same setting gives: the code a learner copies is the
     code that was measured."""
-    from helpers.memory import CategoryTracker
+    from helpers.memory import CategoryTracker, dora_graphs_collected
     from helpers.train import RunConfig, Trainee
 
     flags, fields, harness = SAME_SETTING[name]
+    name = name.split(":")[0]
     if fields.get("bf16_update") == "kahan" and not importable("optimi"):
         pytest.skip(f"{name}.py: torch-optimi is not installed (pip install torch-optimi)")
+    if fields.get("optimizer", "").startswith("lion") and not importable("bitsandbytes"):
+        pytest.skip(f"{name}.py {' '.join(flags)}: bitsandbytes is not installed")
     recipe = runpy.run_path(str(RECIPES / f"{name}.py"), run_name="recipe")
     args = recipe["parse_args"](["--config", training_config, "--steps", "1", "--device", "cpu",
                                  *flags])  # fmt: skip
@@ -216,7 +223,7 @@ def test_the_recipe_trains_in_the_bytes_its_lesson_measured(name, training_confi
         recipe["train"](args, model, optimizer, batches, device)  # creates the optimizer state
         tracker = CategoryTracker(device=device)
         tracker.track_external(model, optimizer)
-        with tracker:
+        with dora_graphs_collected(model), tracker:  # (a no-op without DoRA)
             times = recipe["train"](args, model, optimizer, batches, device)
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
@@ -230,7 +237,7 @@ def test_the_recipe_trains_in_the_bytes_its_lesson_measured(name, training_confi
     trainee.step()
     tracker = CategoryTracker(device=trainee.device)
     tracker.track_external(trainee.model, trainee.optimizer)
-    with tracker:
+    with dora_graphs_collected(trainee.model), tracker:
         trainee.step()
     lesson = tracker.peaks().as_dict()
     keys = ("params", "gradients", "optimizer_state", "activations", "temporaries", "peak")

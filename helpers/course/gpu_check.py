@@ -473,10 +473,10 @@ def recipe_runs(device: str, quick: bool = False) -> list[tuple[str, list[str]]]
         return runs
     variants = {
         "mixed_precision": [["--precision", "fp16"], ["--precision", "tf32"]],
-        "optimizers": [["--optim", "adamw8bit"]],
+        "optimizers": [["--optim", "adamw8bit"], ["--optim", "lion8bit"], ["--optim", "muon"]],
         "attention": [["--backend", "flash", "--precision", "bf16"],
                       ["--backend", "efficient", "--precision", "bf16"]],
-        "lora": [["--qlora"]],
+        "lora": [["--qlora"], ["--dora"]],
         "compile": [["--backend", "inductor"]],
         "deepspeed_offload": [["--stage", "3"]],
     }  # fmt: skip
