@@ -472,3 +472,18 @@ def test_every_lesson_ends_with_try_it_then_summary():
         assert start < end and any(c["cell_type"] == "code" for c in section), path.name
         text = "".join("".join(c["source"]) for c in section if c["cell_type"] == "markdown")
         assert re.search(r"\bexpect|look for", text, re.IGNORECASE), f"{path.name}: no expectation"
+
+
+def test_the_lessons_stay_inside_their_word_budget():
+    """Markdown words (whitespace-separated): every lesson under 3,500, the course under 45,000.
+    A section added means words cut elsewhere; history of versions goes to the references."""
+    words = {
+        path.stem: sum(
+            len("".join(c["source"]).split())
+            for c in json.loads(path.read_text())["cells"]
+            if c["cell_type"] == "markdown"
+        )
+        for path in NOTEBOOKS
+    }
+    assert max(words.values()) < 3_500, max(words.items(), key=lambda kv: kv[1])
+    assert sum(words.values()) < 45_000, sum(words.values())
