@@ -54,7 +54,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# >>> optimizers: Muon and AdamW stepped as one optimizer (--optim muon)
+# >>> optimizers: Muon's parameters and AdamW's, and the two stepped as one (--optim muon)
+def muon_split(model):
+    """Muon's parameters, the hidden layers' 2-D matrices, and AdamW's: embeddings, the output
+    head and vectors (norms, biases), as torch's docs and Muon's authors advise."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    muon = [p for p in model.base_model.parameters() if p.ndim == 2 and id(p) not in embeddings]
+    return muon, [p for p in model.parameters() if all(p is not q for q in muon)]
+
+
 class MuonAndAdamW:
     """Several optimizers where the loop expects one: step() and zero_grad() reach each."""
 
@@ -116,12 +124,9 @@ def build(args):
         optimizer = torch.optim.Adafactor(model.parameters(), lr=lr)
     elif args.optim == "muon":
         # Muon orthogonalises each update of a 2-D matrix, so it takes the hidden layers'
-        # matrices only; embeddings, the output head and vectors (norms) go to AdamW, as torch's
-        # docs and Muon's authors advise. "match_rms_adamw" scales Muon's update to AdamW's size,
-        # so both take AdamW's learning rate.
-        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-        muon = [p for p in model.base_model.parameters() if p.ndim == 2 and id(p) not in embeddings]
-        rest = [p for p in model.parameters() if all(p is not q for q in muon)]
+        # matrices only. "match_rms_adamw" scales its update to AdamW's size, so both take
+        # AdamW's learning rate.
+        muon, rest = muon_split(model)
         optimizer = MuonAndAdamW(
             muon=torch.optim.Muon(muon, lr=args.lr, weight_decay=0.01,
                                   adjust_lr_fn="match_rms_adamw"),

@@ -32,6 +32,10 @@ SHARED = {
         "class OptimizerInBackward:",
         'self.schedules[n].load_state_dict(saved["schedule"])',
     ),
+    ("optimizers", "06_optimizers.ipynb"): (
+        "def muon_split(model):",
+        "return muon, [p for p in model.parameters() if all(p is not q for q in muon)]",
+    ),
     ("fp8", "16_more_memory.ipynb"): (
         "def to_float8(module, name):",
         'return name != "lm_head" and module.in_features % 16 == 0 and '
@@ -118,3 +122,17 @@ def test_the_fp8_filter_is_the_one_the_course_converts_with():
     decided = {n: (to_float8(m, n), fp8_filter(m, n)) for n, m in layers.items()}
     assert all(a == b for a, b in decided.values()), decided
     assert [n for n, (a, _) in decided.items() if a] == ["model.layers.0.mlp.up_proj"]
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "bert-tiny"])
+def test_the_muon_split_is_the_one_runconfig_names(name):
+    """``RunConfig(optimizer="muon")`` (``helpers.optimizer_state.hidden_matrices``, which the
+    estimator and the planner read) gives Muon the matrices the lesson's and the recipe's
+    ``muon_split`` give it, and AdamW every other parameter once."""
+    from helpers.models import build_model, load_config
+    from helpers.optimizer_state import hidden_matrices
+
+    model = build_model(load_config(name))
+    muon, rest = _run("optimizers", "06_optimizers.ipynb")["muon_split"](model)
+    assert {id(p) for p in muon} == hidden_matrices(model)
+    assert len(muon) + len(rest) == len(list(model.parameters())) and muon and rest
