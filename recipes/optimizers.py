@@ -10,8 +10,8 @@ https://huggingface.co/docs/transformers/perf_train_gpu_one). Trainer:
 `optim="adafactor"` (transformers' own Adafactor, which takes an AdamW-like rate such as 1e-3)
 or `optim="adamw_bnb_8bit"`. Lion (bitsandbytes; `optim="lion_32bit"`, `"lion_8bit"`) keeps
 one moment, 4 or about 1 byte per parameter; torch.optim.Muon keeps one momentum buffer for
-the hidden layers' matrices and leaves the rest to AdamW (no `optim=` name: hand the Trainer
-the optimizer through `optimizers=`).
+the hidden layers' matrices and leaves the rest to AdamW (transformers has no `optim=` name
+for it).
 
     python recipes/optimizers.py --size 1b --batch-size 4 --seq-len 1024 --optim adamw8bit
     python recipes/optimizers.py --optim muon
