@@ -150,8 +150,10 @@ def build(args):
         # tensors under 4096 values (the norms' weights) keep 32-bit state too: min_8bit_size
         if args.optim == "adamw8bit":
             optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=args.lr)
-        else:  # Lion: the sign of a blend of its one moment and the gradient; its authors take
-            # a rate 3-10x smaller than AdamW's (the update's entries are all +-lr)
+        else:  # Lion: the sign of a blend of its one moment and the gradient, so every entry
+            # moves by lr; its authors advise a rate 3-10x smaller than AdamW's (Chen et al. 2023,
+            # "Symbolic Discovery of Optimization Algorithms", section 5,
+            # https://arxiv.org/abs/2302.06675)
             bits = 32 if args.optim == "lion" else 8
             optimizer = bnb.optim.Lion(model.parameters(), lr=args.lr / 3, optim_bits=bits)
     # <<<
