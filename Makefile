@@ -1,6 +1,9 @@
 # Efficient training of transformer models on a single GPU: commands.
 #
 #   make test      lint, the helpers' tests, the preflight, and every notebook executed with nbval
+#                  (the executed copies kept in build/executed-test, for make book)
+#   make book      the course as a static site in build/book/, every lesson with make test's
+#                  outputs (run make test first); make book-check checks it in headless Chromium
 #   make course    execute every notebook in order, keep the executed copies, print the summary
 #                  table and, last, the capstone's ablation next to the guide's V100 run
 #   make lab       start JupyterLab on the notebooks
@@ -18,7 +21,7 @@
 #
 # By default the commands create .venv with `python3 -m venv` and install the course with every
 # extra into it at the exact versions of requirements/lock.txt (pip install -c
-# requirements/lock.txt -e ".[optional,jupyter,dev]"; again when pyproject.toml or the lock
+# requirements/lock.txt -e ".[optional,jupyter,dev,book]"; again when pyproject.toml or the lock
 # changes). pyproject.toml itself states tested ranges, not pins. In an environment that
 # already has the dependencies (a GPU image, Colab, a cluster module) name its interpreter
 # instead:
@@ -76,7 +79,7 @@ ifneq ($(strip $(COURSE_SCALE)),)
 endif
 
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
-LINT_PATHS := $(wildcard helpers tests tools notebooks recipes)
+LINT_PATHS := $(wildcard helpers tests tools notebooks recipes book)
 TEST_RESULTS := $(CURDIR)/build/test-results.jsonl
 CLAIMS := $(CURDIR)/build/claims.jsonl
 # The lessons that check speed claims (helpers/syllabus.py): make load-test runs them under a
@@ -84,14 +87,17 @@ CLAIMS := $(CURDIR)/build/claims.jsonl
 TIMING_NOTEBOOKS = $(shell $(PYTHON) -m helpers.syllabus --timed)
 COURSE_RESULTS_FILE := $(CURDIR)/build/results.jsonl
 EXECUTED_DIR := build/executed
+# make test keeps every notebook it executes here, with its outputs (tools/keep_executed.py);
+# make book renders them.
+EXECUTED_TEST := $(CURDIR)/build/executed-test
 
 NBVAL_ARGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider
 
 .PHONY: help install check-env test lint test-unit preflight test-notebooks load-test course \
-  load-course lab browser-check format clean distclean gpu-check gpu-wheels gpu-rehearsal compat
+  load-course lab browser-check book book-check format clean distclean gpu-check gpu-wheels gpu-rehearsal compat
 
 help:
-	@sed -n '3,17p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '3,20p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 	@echo
 	@echo "Interpreter: $(PYTHON)$(if $(filter check-env,$(ENV_READY)), (yours; nothing is installed), (.venv, created on first use))"
 
@@ -107,7 +113,7 @@ $(VENV)/bin/python:
 
 $(VENV)/.installed: pyproject.toml requirements/lock.txt | $(VENV)/bin/python
 	@echo "Installing the course at the locked versions into $(VENV) (a few minutes the first time)"
-	$(VENV)/bin/python -m pip install -c requirements/lock.txt -e ".[optional,jupyter,dev]"
+	$(VENV)/bin/python -m pip install -c requirements/lock.txt -e ".[optional,jupyter,dev,book]"
 	@# The course's JupyterLab settings for this environment's Jupyter too (no news pop-up,
 	@# widget state saved): \`.venv/bin/jupyter lab\` outside make gets them, as Binder does.
 	mkdir -p $(VENV)/share/jupyter/lab/settings
@@ -126,7 +132,7 @@ test lint test-unit preflight test-notebooks: export COURSE_RESULTS := $(TEST_RE
 test lint test-unit preflight test-notebooks load-test: export COURSE_PROGRESS := 0
 
 test:
-	@rm -f $(TEST_RESULTS) $(CLAIMS)
+	@rm -rf $(TEST_RESULTS) $(CLAIMS) $(EXECUTED_TEST)
 	@mkdir -p build
 	@$(MAKE) --no-print-directory -k lint test-unit preflight test-notebooks LINT_REQUIRED=1
 
@@ -168,7 +174,8 @@ ifeq ($(NOTEBOOKS),)
 	@echo "No notebooks in notebooks/: nothing to execute"
 else
 	@mkdir -p build
-	@status=0; $(PYTHON) -m pytest $(NBVAL_ARGS) notebooks/ || status=$$?; \
+	@status=0; PYTHONPATH=$(CURDIR)/tools:$$PYTHONPATH $(PYTHON) -m pytest $(NBVAL_ARGS) \
+	  -p keep_executed --keep-executed $(EXECUTED_TEST) notebooks/ || status=$$?; \
 	echo; $(PYTHON) -m helpers claims --claims $(CLAIMS) || status=1; exit $$status
 endif
 
@@ -225,6 +232,16 @@ CHROMIUM ?= /usr/bin/chromium
 browser-check: $(ENV_READY)
 	@$(BOOTSTRAP_PYTHON) tools/browser_check.py --python $(PLAYWRIGHT_PYTHON) \
 	  --chromium $(CHROMIUM) --lab-python $(PYTHON) $(NOTEBOOKS)
+
+# The course as a static site (tools/book.py: Sphinx, MyST-NB, the Sphinx Book Theme), from the
+# notebooks make test executed (build/executed-test), and its check in headless Chromium (the
+# browser-check setup): every page offline, links, figures, navigation, search.
+book: $(ENV_READY)
+	$(PYTHON) tools/book.py --executed $(EXECUTED_TEST) --out build/book
+
+book-check:
+	@$(BOOTSTRAP_PYTHON) tools/book_check.py --python $(PLAYWRIGHT_PYTHON) --chromium $(CHROMIUM) \
+	  --book build/book --shots build/book-check
 
 # ---------------------------------------------------------------------------------------------
 # A GPU host, and the oldest supported versions

@@ -133,15 +133,17 @@ def test_the_core_keeps_out_what_a_gpu_image_or_colab_may_lack():
     core = {canonicalize_name(Requirement(line).name) for line in project["dependencies"]}
     extras = project["optional-dependencies"]
     assert {"torch", "transformers", "accelerate", "datasets", "peft"} <= core
-    assert not core & {"bitsandbytes", "deepspeed", "ipykernel", "jupyterlab", "nbval"}, core
+    assert not core & {"bitsandbytes", "deepspeed", "ipykernel", "jupyterlab", "nbval", "sphinx"}, (
+        core
+    )
     assert {canonicalize_name(Requirement(r).name) for r in extras["optional"]} == {
         "bitsandbytes",
         "deepspeed",
         "torch-optimi",
     }
     makefile = (ROOT / "Makefile").read_text()
-    assert 'pip install -c requirements/lock.txt -e ".[optional,jupyter,dev]"' in makefile
-    assert set(extras) == {"optional", "jupyter", "dev"}
+    assert 'pip install -c requirements/lock.txt -e ".[optional,jupyter,dev,book]"' in makefile
+    assert set(extras) == {"optional", "jupyter", "dev", "book"}
 
 
 def test_the_lock_pins_every_dependency_within_its_range():

@@ -99,8 +99,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def rerun_under(python: str | None, chromium: str) -> None:
-    """Run this script again under ``python`` when Playwright does not import here."""
+def rerun_under(python: str | None, chromium: str, script: str = __file__) -> None:
+    """Run ``script`` (this one, or tools/book_check.py) again under ``python`` when Playwright
+    does not import here."""
     if not Path(chromium).exists():
         print(f"no Chromium at {chromium}\n{INSTALL}", file=sys.stderr)
         sys.exit(2)
@@ -113,7 +114,7 @@ def rerun_under(python: str | None, chromium: str) -> None:
             print(f"no Playwright for {sys.executable}\n{INSTALL}", file=sys.stderr)
             sys.exit(2)
         os.environ["BROWSER_CHECK_RERUN"] = found
-        os.execv(found, [found, __file__, *sys.argv[1:]])
+        os.execv(found, [found, script, *sys.argv[1:]])
 
 
 # ---------------------------------------------------------------------------------------------
