@@ -51,7 +51,8 @@ def test_nbval_runs_keep_each_notebook_with_its_outputs_and_figure_text(tmp_path
     for name, nb in (("good.ipynb", good), ("bad.ipynb", bad)):
         (tmp_path / name).write_text(json.dumps(nb))
     kept = tmp_path / "kept"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tools'}{os.pathsep}{ROOT}"}
+    path = [str(ROOT / "tools"), str(ROOT), os.environ.get("PYTHONPATH", "")]  # + a carried site
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     cmd = [sys.executable, "-m", "pytest", "-q", "--nbval-lax", "--nbval-current-env",
            "-p", "no:cacheprovider", "-p", "keep_executed", "--keep-executed", str(kept),
            "good.ipynb", "bad.ipynb"]  # fmt: skip
