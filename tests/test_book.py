@@ -168,4 +168,59 @@ def test_the_site_builds_offline_with_every_page_and_the_figure_notes(tmp_path):
     assert (cfg.out / "searchindex.js").is_file()
     figures = json.loads((cfg.out / "_course" / "figures.json").read_text())
     assert set(figures) == {f"lessons/{Path(n).stem}.html" for n in NOTEBOOKS.values()}
+    words = json.loads((cfg.out / "_course" / "search_words.json").read_text())
+    assert set(words) == set(figures) and all(words.values()), words  # make book-check's
     assert result.size_bytes > 0
+
+
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+
+
+def playwright_python() -> str | None:
+    for python in (os.environ.get("PLAYWRIGHT_PYTHON"), ROOT / ".venv-playwright/bin/python"):
+        if python and Path(python).exists():
+            return str(python)
+    return sys.executable if importlib.util.find_spec("playwright") else None
+
+
+@needs_sphinx
+def test_the_book_check_catches_a_cdn_a_broken_link_and_small_figure_text(tmp_path):
+    if not Path(CHROMIUM).exists() or playwright_python() is None:
+        pytest.skip(f"no Chromium at {CHROMIUM} or no Python with Playwright (CI has neither)")
+    cfg = config(tmp_path)
+    book.build_book(cfg)
+    index = cfg.out / "index.html"
+    index.write_text(index.read_text().replace(
+        "</head>", '<script src="https://cdn.example.invalid/x.js"></script></head>'))  # fmt: skip
+    cheat = cfg.out / "cheatsheet.html"
+    broken = '<a href="lessons/nope.html">x</a><a href="index.html#no-such">y</a>'
+    cheat.write_text(cheat.read_text().replace("</article>", broken + "</article>"))
+    figures_json = cfg.out / "_course" / "figures.json"
+    figures = json.loads(figures_json.read_text())
+    lesson = "lessons/09_mixture_of_experts.html"
+    assert figures[lesson] == []  # the stand-in copies have no figures: give the page one
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(1, 0.5), dpi=32)  # a 32 x 16 PNG
+    (cfg.out / "_images").mkdir(exist_ok=True)
+    fig.savefig(cfg.out / "_images" / "tiny.png", dpi=32)
+    plt.close(fig)
+    page = cfg.out / lesson
+    shown = '<div class="cell_output"><img src="../_images/tiny.png" width="64"></div>'
+    page.write_text(page.read_text().replace('<div class="cell_output', shown + "<div class="
+                                             '"cell_output', 1))  # fmt: skip
+    figures[lesson] = [4.0]  # 4 px of text in the PNG, shown at 64 / 32 = 2x: 8 px
+    figures_json.write_text(json.dumps(figures))
+    shots = tmp_path / "shots"
+    cmd = [sys.executable, str(ROOT / "tools" / "book_check.py"), "--python",
+           playwright_python(), "--chromium", CHROMIUM, "--book", str(cfg.out),
+           "--shots", str(shots), "--min-text-px", "9"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    summary = (shots / "summary.md").read_text()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "index.html: fetched from outside the site: https://cdn.example.invalid/x.js" in summary
+    assert "cheatsheet.html: broken link: lessons/nope.html" in summary
+    assert "cheatsheet.html: broken anchor: index.html#no-such" in summary
+    assert f"{lesson}: figure 1: smallest text 8.0 px as shown (< 9.0)" in summary
+    assert "search for" not in summary  # each lesson is still found by its own word
+    assert (shots / "index.png").is_file() and (shots / "search.png").is_file()

@@ -25,6 +25,7 @@ A lesson without an executed copy stops the build with one line that says to run
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -266,7 +267,9 @@ def build_book(cfg: BookConfig) -> BookResult:
     size = sum(p.stat().st_size for p in cfg.out.rglob("*") if p.is_file())
     figures = _figure_text(cfg)
     (cfg.out / "_course").mkdir(exist_ok=True)
-    (cfg.out / "_course" / "figures.json").write_text(json.dumps(figures, indent=1))
+    words = json.dumps(search_words(cfg.staging), indent=1)
+    (cfg.out / "_course" / "search_words.json").write_text(words)
+    (cfg.out / "_course" / "figures.json").write_text(json.dumps(figures, indent=1))  # last
     return BookResult(cfg.out, pages, sources, size, time.perf_counter() - start)
 
 
@@ -284,6 +287,25 @@ def _figure_text(cfg: BookConfig) -> dict[str, list]:
                         "course_min_text_px"))  # fmt: skip
         found[f"lessons/{nb_path.stem}.html"] = sizes
     return found
+
+
+def search_words(staging: Path) -> dict[str, str | None]:
+    """Per lesson page, the word of its prose (6+ letters) used most there and in no other
+    lesson's prose (None if it has none): what make book-check searches it by."""
+    words = {}
+    for nb in sorted((staging / "lessons").glob("*.ipynb")):
+        cells = json.loads(nb.read_text())["cells"]
+        text = " ".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+        text = re.sub(r"\([^)]*\)|`[^`]*`", " ", text)  # no link targets, no code
+        words[f"lessons/{nb.stem}.html"] = collections.Counter(
+            w.lower() for w in re.findall(r"\b[A-Za-z]{6,}\b", text)
+        )
+    chosen = {}
+    for page, counts in words.items():
+        others = set().union(*(set(c) for p, c in words.items() if p != page))
+        mine = [(n, w) for w, n in counts.items() if w not in others]
+        chosen[page] = max(mine)[1] if mine else None
+    return chosen
 
 
 def _importable(module: str) -> bool:

@@ -14,7 +14,8 @@ no network) and opens every page at 1440x1000. It fails on:
   figure's smallest text in pixels of the PNG: tools/keep_executed.py; the book lists them in
   ``_course/figures.json``);
 - a lesson page that the navigation does not reach from the front page;
-- a lesson that Sphinx's search does not find by a word of its prose that no other lesson uses.
+- a lesson that Sphinx's search does not find by a word of its prose that no other lesson uses
+  (make book lists them in ``_course/search_words.json``).
 
 Screenshots of the front page, a lesson with a figure and a search go to ``--shots``, with
 ``summary.md``. Exit status 0 when every check held, 1 when one failed, 2 when Playwright or
@@ -24,7 +25,6 @@ Chromium is missing (the same setup as make browser-check).
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import http.server
 import json
@@ -63,27 +63,6 @@ def serve(folder: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
 class _Quiet(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args) -> None:  # no line per request
         pass
-
-
-def unique_words(book: Path) -> dict[str, str]:
-    """Per lesson page, the word of its prose (6+ letters) used most there and in no other
-    lesson's prose (from the staged sources next to the book: build/book-src)."""
-    staged = book.parent / "book-src" / "lessons"
-    words = {}
-    for nb in sorted(staged.glob("*.ipynb")):
-        cells = json.loads(nb.read_text())["cells"]
-        text = " ".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
-        text = re.sub(r"\([^)]*\)|`[^`]*`", " ", text)  # no link targets, no code
-        words[f"lessons/{nb.stem}.html"] = collections.Counter(
-            w.lower() for w in re.findall(r"\b[A-Za-z]{6,}\b", text)
-        )
-    chosen = {}
-    for page, counts in words.items():
-        others = set().union(*(set(c) for p, c in words.items() if p != page))
-        mine = [(n, w) for w, n in counts.items() if w not in others]
-        if mine:
-            chosen[page] = max(mine)[1]
-    return chosen
 
 
 class Check:
@@ -178,9 +157,14 @@ def reachable(links: dict[str, list[str]], url: str, start: str) -> set[str]:
     return seen
 
 
-def check_search(page, url: str, words: dict[str, str], check: Check, shots: Path) -> None:
+def check_search(page, url: str, words: dict[str, str | None], check: Check, shots: Path) -> None:
     """Each lesson found by Sphinx's search under its own word; a screenshot of one search."""
+    if not words:
+        check.fail("search.html", "no lesson to search for")
     for n, (lesson, word) in enumerate(sorted(words.items())):
+        if word is None:
+            check.fail(lesson, "no word of its prose is its own: nothing to search it by")
+            continue
         page.goto(f"{url}search.html?q={urllib.parse.quote(word)}")
         page.wait_for_selector(".search-summary", timeout=30_000)
         found = page.evaluate(
@@ -222,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                     page.screenshot(path=str(args.shots / (Path(path).stem + ".png")))
                 page.close()
             page = browser.new_page(viewport=VIEWPORT)
-            check_search(page, url, unique_words(args.book), check, args.shots)
+            words = json.loads((args.book / "_course" / "search_words.json").read_text())
+            check_search(page, url, words, check, args.shots)
             browser.close()
     finally:
         server.shutdown()

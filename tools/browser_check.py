@@ -60,10 +60,10 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"
 VIEWPORT = {"width": 1440, "height": 1000}
 VERDICT = "usable on the"  # every verdict line says "... of X usable on the <card>"
 INSTALL = (
-    "make browser-check needs a Python with Playwright and Chromium:\n"
+    "make browser-check and make book-check need a Python with Playwright and Chromium:\n"
     "  python3 -m venv .venv-playwright && .venv-playwright/bin/pip install playwright\n"
     "  apt-get install -y chromium     (or name another: --chromium PATH / CHROMIUM=PATH)\n"
-    "then: make browser-check (or PLAYWRIGHT_PYTHON=/path/to/python make browser-check)"
+    "then: make browser-check or make book-check (PLAYWRIGHT_PYTHON=/path/to/python to name one)"
 )
 # A text meter left unfinished: tqdm's "name:  40%|████      | 8/20 [...]".
 METER = re.compile(r"(\d{1,3})%\|")
