@@ -12,9 +12,11 @@ extensions = ["myst_nb"]
 nb_execution_mode = "off"
 nb_output_stderr = "show"
 nb_merge_streams = True
-# No widget outputs are kept (progress bars are off in make test), so no widget script from a
-# CDN either.
+# No widget script from a CDN: progress bars are off in make test, and see below.
 nb_ipywidgets_js = {}
+# A widget output (lesson 15's calculator) shows its static HTML, which its kernel also sent: a
+# page has no kernel to draw the widget from its state.
+nb_mime_priority_overrides = [("html", "application/vnd.jupyter.widget-view+json", None)]
 myst_heading_anchors = 4
 myst_enable_extensions = ["colon_fence"]
 # Pages render on their own: no notebook-wide Jupyter cache.

@@ -184,7 +184,7 @@ def playwright_python() -> str | None:
 
 
 @needs_sphinx
-def test_the_book_check_catches_a_cdn_a_broken_link_and_small_figure_text(tmp_path):
+def test_the_book_check_catches_a_cdn_a_broken_link_a_blank_widget_and_small_text(tmp_path):
     if not Path(CHROMIUM).exists() or playwright_python() is None:
         pytest.skip(f"no Chromium at {CHROMIUM} or no Python with Playwright (CI has neither)")
     cfg = config(tmp_path)
@@ -194,6 +194,7 @@ def test_the_book_check_catches_a_cdn_a_broken_link_and_small_figure_text(tmp_pa
         "</head>", '<script src="https://cdn.example.invalid/x.js"></script></head>'))  # fmt: skip
     cheat = cfg.out / "cheatsheet.html"
     broken = '<a href="lessons/nope.html">x</a><a href="index.html#no-such">y</a>'
+    broken += '<script type="application/vnd.jupyter.widget-view+json">{}</script>'
     cheat.write_text(cheat.read_text().replace("</article>", broken + "</article>"))
     figures_json = cfg.out / "_course" / "figures.json"
     figures = json.loads(figures_json.read_text())
@@ -221,6 +222,7 @@ def test_the_book_check_catches_a_cdn_a_broken_link_and_small_figure_text(tmp_pa
     assert "index.html: fetched from outside the site: https://cdn.example.invalid/x.js" in summary
     assert "cheatsheet.html: broken link: lessons/nope.html" in summary
     assert "cheatsheet.html: broken anchor: index.html#no-such" in summary
+    assert "cheatsheet.html: 1 widget output(s) with nothing to draw them" in summary
     assert f"{lesson}: figure 1: smallest text 8.0 px as shown (< 9.0)" in summary
     assert "search for" not in summary  # each lesson is still found by its own word
     assert (shots / "index.png").is_file() and (shots / "search.png").is_file()

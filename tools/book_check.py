@@ -9,6 +9,7 @@ no network) and opens every page at 1440x1000. It fails on:
 - a page that does not load, a console error or an uncaught exception on it;
 - any request that leaves the local server (a CDN, a web font: the site must work offline);
 - a link to a page or an anchor of the site that does not exist;
+- a widget output left as the widget's placeholder (blank without a kernel);
 - an image that does not decode, and on lesson pages a figure whose smallest text is under
   ``--min-text-px`` pixels at the width the page shows it (the executed copies note each
   figure's smallest text in pixels of the PNG: tools/keep_executed.py; the book lists them in
@@ -101,6 +102,9 @@ def check_page(page, url: str, path: str, book: Path, check: Check, figures: dic
     for img in images:
         if not img["ok"]:
             check.fail(path, f"image does not decode: {img['src'][:120]}")
+    widgets = page.locator('script[type="application/vnd.jupyter.widget-view+json"]').count()
+    if widgets:
+        check.fail(path, f"{widgets} widget output(s) with nothing to draw them: blank on the page")
     outputs = [i for i in images if i["output"]]
     if path in figures:
         _check_figures(path, outputs, figures[path], check, least)
