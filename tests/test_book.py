@@ -67,6 +67,7 @@ def test_nbval_runs_keep_each_notebook_with_its_outputs_and_figure_text(tmp_path
     assert png["metadata"]["image/png"]["course_min_text_px"] > 10
     assert "".join(cells[2]["outputs"][0]["data"]["text/plain"]) == "42"
     assert ran["metadata"]["course_executed"]["failed_cells"] == []
+    assert 0 < ran["metadata"]["course_executed"]["seconds"] < 300  # kernel start included
     failed = json.loads((kept / "bad.ipynb").read_text())
     assert failed["metadata"]["course_executed"]["failed_cells"] == [1]
     assert failed["cells"][1]["outputs"][0]["ename"] == "ValueError"

@@ -158,7 +158,8 @@ def _where(copy: Path) -> str:
     device = "a CPU" if device == "cpu" else device
     run = nb["metadata"].get("course_executed", {})
     commit = f" at {run['commit']}" if run.get("commit") else ""
-    return f"{scale} scale on {device}, `make test` of {run.get('when', '?')[:10]}{commit}"
+    took = f", {run['seconds']:.0f} s to run" if run.get("seconds") else ""
+    return f"{scale} scale on {device}, `make test` of {run.get('when', '?')[:10]}{commit}{took}"
 
 
 def lesson_page(notebook: str, cfg: BookConfig, staged: set[str]) -> tuple[dict, str]:

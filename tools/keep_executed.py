@@ -5,9 +5,9 @@
 nbval runs every code cell in a kernel and compares, but writes nothing back. With this plugin
 each notebook is written to the folder as soon as its last cell has run: every code cell with
 the outputs nbval collected from the kernel and its execution count, and the notebook's
-metadata gains ``course_executed`` (who ran it, when, at which commit, and which cells
-failed). ``make test`` loads it, so the one execution CI already pays for is the one the
-book shows (tools/book.py); nothing runs twice.
+metadata gains ``course_executed`` (who ran it, when, at which commit, how many seconds its
+run took with its kernel's start, and which cells failed). ``make test`` loads it, so the one
+execution CI already pays for is the one the book shows (tools/book.py); nothing runs twice.
 
 The kernels also get the figure-text startup file of ``make browser-check``
 (tools/browser_check_figure_text.py, through a scratch ``IPYTHONDIR``): each figure's output
@@ -21,6 +21,7 @@ import copy
 import os
 import shutil
 import subprocess
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 _KEY = pytest.StashKey[dict]()
+_CONFIG: list = []  # the session's config, for the one hook that is not given it
 
 
 def pytest_addoption(parser) -> None:
@@ -46,6 +48,7 @@ def pytest_configure(config) -> None:
         return
     Path(folder).mkdir(parents=True, exist_ok=True)
     config.stash[_KEY] = {"folder": Path(folder), "commit": _commit()}
+    _CONFIG[:] = [config]
     startup = Path(folder) / ".ipython" / "profile_default" / "startup"
     startup.mkdir(parents=True, exist_ok=True)
     shutil.copy(
@@ -64,6 +67,13 @@ def _commit() -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
+def pytest_runtest_logstart(nodeid: str, location) -> None:
+    config = _CONFIG[0] if _CONFIG else None
+    kept = config.stash.get(_KEY, None) if config is not None else None
+    if kept is not None:  # a notebook's clock starts before its kernel does (first cell's setup)
+        kept.setdefault("started", {}).setdefault(nodeid.split("::")[0], time.monotonic())
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem) -> None:
     kept = item.config.stash.get(_KEY, None)
@@ -72,12 +82,17 @@ def pytest_runtest_teardown(item, nextitem) -> None:
     cells = kept.setdefault(item.parent.nodeid, {})
     cells[item.cell_num] = item.test_outputs
     if nextitem is None or nextitem.parent is not item.parent:
-        write_executed(item.parent.nb, kept.pop(item.parent.nodeid), kept, Path(item.parent.path))
+        started = kept.get("started", {}).pop(item.parent.nodeid, None)
+        seconds = round(time.monotonic() - started, 1) if started is not None else None
+        outputs = kept.pop(item.parent.nodeid)
+        write_executed(item.parent.nb, outputs, kept, Path(item.parent.path), seconds)
 
 
-def write_executed(nb, outputs: dict[int, list | None], kept: dict, path: Path) -> Path:
+def write_executed(
+    nb, outputs: dict[int, list | None], kept: dict, path: Path, seconds: float | None = None
+) -> Path:
     """``nb`` with each code cell's ``outputs`` (by code-cell number; None: not run), written to
-    the kept folder under ``path``'s name; returns where."""
+    the kept folder under ``path``'s name; ``seconds``: its run, kernel start included."""
     nb = copy.deepcopy(nb)
     failed, number = [], 0
     for cell in nb.cells:
@@ -94,6 +109,7 @@ def write_executed(nb, outputs: dict[int, list | None], kept: dict, path: Path) 
         "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": kept["commit"],
         "failed_cells": failed,
+        "seconds": seconds,
     }
     out = kept["folder"] / path.name
     nbformat.write(nb, out)
