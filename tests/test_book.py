@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 import book  # noqa: E402
+from tests.test_browser_check import CHROMIUM, playwright_python  # noqa: E402
 
 LESSONS = ("07", "09")
 NOTEBOOKS = {"07": "07_accelerate_loop.ipynb", "09": "09_mixture_of_experts.ipynb"}
@@ -172,16 +173,6 @@ def test_the_site_builds_offline_with_every_page_and_the_figure_notes(tmp_path):
     words = json.loads((cfg.out / "_course" / "search_words.json").read_text())
     assert set(words) == set(figures) and all(words.values()), words  # make book-check's
     assert result.size_bytes > 0
-
-
-CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
-
-
-def playwright_python() -> str | None:
-    for python in (os.environ.get("PLAYWRIGHT_PYTHON"), ROOT / ".venv-playwright/bin/python"):
-        if python and Path(python).exists():
-            return str(python)
-    return sys.executable if importlib.util.find_spec("playwright") else None
 
 
 @needs_sphinx

@@ -77,7 +77,7 @@ class Check:
         self.failures.append(f"{page}: {message}")
 
 
-def check_page(page, url: str, path: str, book: Path, check: Check, figures: dict, least: float):
+def check_page(page, url: str, path: str, check: Check, figures: dict, least: float):
     """Load one page; check its console, requests, images, figures; return its site links."""
     errors, outside = [], []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             browser = pw.chromium.launch(executable_path=args.chromium, args=CHROMIUM_ARGS)
             for path in pages:
                 page = browser.new_page(viewport=VIEWPORT)
-                links[path] = check_page(page, url, path, args.book, check, figures,
+                links[path] = check_page(page, url, path, check, figures,
                                          args.min_text_px)  # fmt: skip
                 if path in SHOTS:
                     figure = page.locator(".cell_output img").first

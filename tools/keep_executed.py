@@ -30,7 +30,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 _KEY = pytest.StashKey[dict]()
-_CONFIG: list = []  # the session's config, for the one hook that is not given it
 
 
 def pytest_addoption(parser) -> None:
@@ -48,7 +47,6 @@ def pytest_configure(config) -> None:
         return
     Path(folder).mkdir(parents=True, exist_ok=True)
     config.stash[_KEY] = {"folder": Path(folder), "commit": _commit()}
-    _CONFIG[:] = [config]
     startup = Path(folder) / ".ipython" / "profile_default" / "startup"
     startup.mkdir(parents=True, exist_ok=True)
     shutil.copy(
@@ -67,11 +65,12 @@ def _commit() -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
-def pytest_runtest_logstart(nodeid: str, location) -> None:
-    config = _CONFIG[0] if _CONFIG else None
-    kept = config.stash.get(_KEY, None) if config is not None else None
-    if kept is not None:  # a notebook's clock starts before its kernel does (first cell's setup)
-        kept.setdefault("started", {}).setdefault(nodeid.split("::")[0], time.monotonic())
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    kept = item.config.stash.get(_KEY, None)
+    if kept is not None and hasattr(item, "cell_num"):  # before pytest sets up the notebook,
+        # so a notebook's clock includes its kernel's start (its first cell's setup)
+        kept.setdefault("started", {}).setdefault(item.parent.nodeid, time.monotonic())
 
 
 @pytest.hookimpl(trylast=True)
