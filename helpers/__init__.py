@@ -24,9 +24,9 @@ at the top of the file (tests/test_layers.py keeps it so, imports inside functio
 
 Inside functions, modules import only optional or slow packages (bitsandbytes, deepspeed,
 peft, torchao, the Trainer and model classes, matplotlib, pandas: each with its reason), and
-three modules defer helpers imports on purpose: ``course.cli`` and ``course.calculator`` import
-no torch until a command or a widget needs it, ``isolate`` (a notebook's first import) no
-transformers.
+four modules defer helpers imports on purpose: ``course.cli`` and ``course.calculator`` import
+no torch until a command or a widget needs it, ``isolate`` and ``lesson`` (a notebook's first
+import) no transformers.
 
 Import the submodules you need. Importing this package does nothing else: no printing, no
 files, no global settings.

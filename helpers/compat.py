@@ -186,7 +186,7 @@ def package_report() -> list[PackageStatus]:
 
 def untested_versions() -> str:
     """One paragraph naming each installed required package outside the tested range and the
-    lessons it may change; "" when every one is inside (a notebook's first cell prints it)."""
+    lessons it may change; "" when every one is inside (a lesson's ``print(L)`` shows it)."""
     outside, older = [], []
     for p in REQUIRED:
         found = installed_version(p.distribution)

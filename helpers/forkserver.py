@@ -2,7 +2,7 @@
 
 A server that has imported torch and transformers once but never run anything: each child
 forked from it is as clean as a new interpreter, without paying the imports. ``start`` starts
-it (a notebook's first cell, through ``isolate.start``); ``context`` is the multiprocessing
+it (a notebook's first cell, through ``lesson()``); ``context`` is the multiprocessing
 context to start processes in. ``helpers._fork_server`` is the module the server itself
 imports first.
 """
@@ -61,7 +61,8 @@ def start(*extra: str) -> bool:
     Returns False where there is no fork server (Windows, or ``COURSE_NO_FORKSERVER=1``:
     experiments spawn).
     Either way this process, like the server, stays quiet from here on about the library
-    notices ``helpers.quiet`` names: a notebook's first cell calls it, before any import.
+    notices ``helpers.quiet`` names: a notebook's first cell calls it (``lesson()``), before
+    the libraries are imported.
     """
     silence_library_notices()
     global _started_with

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copyreg
 import dataclasses
+import dis
 import functools
 import inspect
 import io
@@ -27,6 +28,7 @@ import statistics
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -44,7 +46,7 @@ from helpers.device import (
     resolve,
 )
 from helpers.forkserver import context
-from helpers.forkserver import start as start  # notebooks' first cell: isolate.start()
+from helpers.forkserver import start as start  # what lesson() calls in a first cell
 from helpers.hardware import cpu_name
 from helpers.progress import quiet_here, waiting
 from helpers.quiet import quiet_libraries
@@ -285,13 +287,26 @@ def _captured(code: list) -> list[tuple[str, Any]]:
         if inspect.isclass(obj):
             todo += [f for f in vars(obj).values() if inspect.isfunction(f)]
             continue
-        found = inspect.getclosurevars(obj)
-        for name, value in {**found.globals, **found.nonlocals}.items():
+        used = {n: obj.__globals__[n] for n in _global_loads(obj.__code__) if n in obj.__globals__}
+        for name, value in {**used, **inspect.getclosurevars(obj).nonlocals}.items():
             if (inspect.isfunction(value) or inspect.isclass(value)) and _in_cell(value):
                 todo.append(value)
             else:
                 out.append((name, value))
     return out
+
+
+def _global_loads(code: types.CodeType) -> set[str]:
+    """The global names ``code`` and the code nested in it (lambdas, comprehensions) read.
+    Not ``co_names``, which ``inspect.getclosurevars`` reads: it holds attribute names too, so
+    ``gm.graph`` in a cell's function would count a notebook's global ``graph`` as used."""
+    names = {
+        i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    }
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_loads(const)
+    return names
 
 
 def _cannot_travel(value: Any) -> str:

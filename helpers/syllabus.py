@@ -32,6 +32,7 @@ class LessonEntry:
     gpu_rank: int  # the full-scale GPU pass runs lower ranks first (its value per minute)
     timed: bool = True  # the notebook checks speed claims (make load-test runs it under load)
     module: bool = True  # measured through helpers.lessons.<name> (lesson 00 uses the core only)
+    preload: tuple[str, ...] = ()  # modules the fork server imports for it too (lesson())
 
     @property
     def notebook(self) -> str:
@@ -59,12 +60,23 @@ LESSONS: tuple[LessonEntry, ...] = (
     LessonEntry("09", "mixture_of_experts", "mixture of experts", 13),
     LessonEntry("10", "sdpa_flash_attention", "SDPA and flash attention", 11),
     LessonEntry("11", "data_loading", "data loading", 15),
-    LessonEntry("12", "torch_compile", "torch.compile", 14),
-    LessonEntry("13", "peft_lora", "PEFT / LoRA", 10),
-    LessonEntry("14", "putting_it_together", "putting it together", 0),
+    LessonEntry(
+        "12", "torch_compile", "torch.compile", 14, preload=("torch._inductor.compile_fx",)
+    ),
+    LessonEntry("13", "peft_lora", "PEFT / LoRA", 10, preload=("peft",)),
+    LessonEntry("14", "putting_it_together", "putting it together", 0, preload=("bitsandbytes",)),
     LessonEntry("15", "seeing_memory", "seeing memory", 8, timed=False),
-    LessonEntry("16", "more_memory", "more memory from one GPU", 9),
-    LessonEntry("17", "beyond_one_gpu", "beyond one GPU", 17, timed=False),
+    LessonEntry(
+        "16", "more_memory", "more memory from one GPU", 9, preload=("helpers.lessons.more_memory",)
+    ),
+    LessonEntry(
+        "17",
+        "beyond_one_gpu",
+        "beyond one GPU",
+        17,
+        timed=False,
+        preload=("helpers.lessons.beyond_one_gpu",),
+    ),
 )
 NUMBERS: tuple[str, ...] = tuple(e.number for e in LESSONS)
 
@@ -75,6 +87,12 @@ def lesson_entry(number: str) -> LessonEntry:
         if entry.number == number:
             return entry
     raise ValueError(f"no lesson {number!r}: the lessons are {', '.join(NUMBERS)}")
+
+
+def preload_for(number: str) -> tuple[str, ...]:
+    """What the fork server preloads for lesson ``number`` besides the usual; () for a number
+    with no row (a scratch notebook)."""
+    return next((e.preload for e in LESSONS if e.number == number), ())
 
 
 def by_gpu_rank() -> tuple[str, ...]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,15 @@ def test_cell_code_calling_library_functions_that_call_each_other_travels():
     exec("def check(n):\n    return _even(n), _odd.__name__", scope)  # a cell's function
     scope["_odd"] = _odd
     assert isolate.call_isolated(scope["check"], 10).unwrap() == (True, "_odd")
+
+
+def test_only_the_variables_a_cell_function_reads_count_not_attributes_named_alike():
+    # co_names holds attribute names too: `box.model` is not the notebook's `model` (lesson 12's
+    # `gm.graph` beside a notebook variable `graph` was refused for it).
+    scope = {"__name__": "__main__", "model": torch.nn.Linear(2, 2)}
+    exec("def inner(box):\n    return box.model", scope)  # a cell's function
+    assert isolate.call_isolated(scope["inner"], types.SimpleNamespace(model=3)).unwrap() == 3
+    # A variable read inside a lambda in the function is one it uses: refused, by name.
+    exec("def step():\n    return (lambda: model.weight.sum())()", scope)
+    with pytest.raises(isolate.CannotTravel, match=r"uses `model`, a model \(Linear\)"):
+        isolate.call_isolated(scope["step"])

@@ -93,6 +93,8 @@ DEFERS_ON_PURPOSE = {
     "imports the helpers it runs",
     "helpers.course.calculator": "import helpers (helpers.calculator is imported on first use) "
     "imports no torch until an estimate or a widget needs it",
+    "helpers.lesson": "a notebook's first import: no transformers (helpers.scale) until the "
+    "fork server has started",
     "helpers.isolate": "a notebook's first import: no transformers (helpers.train, "
     "helpers.estimator) until an experiment runs",
 }

@@ -6,8 +6,8 @@
 A name is counted once per notebook, whether imported (``from helpers.timing import Claim``)
 or read from a module imported whole (``from helpers import isolate`` then ``isolate.run``:
 ``helpers.isolate.run``; ``from helpers.lessons import data_loading as dl`` then
-``dl.loop_rounds``). The first cell's installer (``helpers.compat``, ``isolate.start``) counts
-too: a learner reads it.
+``dl.loop_rounds``). The first cell's opening (``helpers.lesson.lesson``) counts too: a
+learner reads it.
 """
 
 import ast
