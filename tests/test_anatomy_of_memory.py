@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from helpers.lessons.anatomy_of_memory import (
+    ATTN_MASK,
+    DROPPED,
+    HIDDEN_MASKS,
     OTHER,
     account_table,
-    dropout_bytes,
     korthikanti_terms,
     layer_account,
     saved_in_first_layer,
@@ -20,6 +22,8 @@ from tests.cells import cell_function
 CPU = torch.device("cpu")
 # The saved-tensor hook lesson 01 writes in its cell (the code the lesson measures with).
 SAVED_INSIDE = cell_function("01_anatomy_of_memory.ipynb", "saved_inside")
+# The Try-it cell's formula: the bytes dropout adds to a layer.
+dropout_bytes = cell_function("01_anatomy_of_memory.ipynb", "dropout_bytes")
 
 
 @pytest.mark.parametrize("dropout", [None, 0.0])
@@ -43,6 +47,11 @@ def test_dropout_zero_drops_masks_and_dropped_probabilities():
     off = layer_account(config, 2, 24, CPU, SAVED_INSIDE, dropout=0.0)
     assert on.measured - off.measured == dropout_bytes(config, 2, 24, "cpu") > 0
     assert len(off.saved) == len(on.saved) - 4  # two hidden masks, the attention mask, the drop
+    # CUDA's 1-byte masks: the cell's formula against the account's dropout terms.
+    cuda = {t.name: t.ours for t in korthikanti_terms(config, "cuda")}
+    sbh, as2b = 24 * 2 * config.hidden_size, config.num_attention_heads * 24 * 24 * 2
+    expected = cuda[HIDDEN_MASKS] * sbh + (cuda[ATTN_MASK] + cuda[DROPPED]) * as2b
+    assert dropout_bytes(config, 2, 24, "cuda") == expected > 0
 
 
 def test_fp32_cpu_terms_double_the_paper_except_masks():

@@ -10,11 +10,8 @@ from matplotlib.figure import Figure
 
 from helpers.lessons.batch_size import (
     MatmulTimingResult,
-    halving,
-    largest_fitting,
     matmul_figure,
     matmul_timing,
-    raise_if_oom,
     recognised_budget,
     recognised_tracker,
     throughput_memory_figure,
@@ -22,9 +19,15 @@ from helpers.lessons.batch_size import (
 from helpers.memory import CategoryTracker
 from helpers.names import GiB, MiB
 from helpers.results import Record
+from tests.cells import cell_function
 from tests.plot_checks import figure_problems
 
 CPU = torch.device("cpu")
+NOTEBOOK = "02_batch_size.ipynb"
+# The search's technique, as the notebook's cells write it.
+halving = cell_function(NOTEBOOK, "halving")
+raise_if_oom = cell_function(NOTEBOOK, "raise_if_oom")
+largest_fitting = cell_function(NOTEBOOK, "largest_fitting")
 
 
 def test_halving_reduces_by_half_each_call():

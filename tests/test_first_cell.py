@@ -64,14 +64,17 @@ def _first_code_cell(path: Path) -> dict:
     return next(cell for cell in cells if cell["cell_type"] == "code")
 
 
-def _run_first_cell(tmp_path: Path, startup: str = "") -> list[dict]:
-    """Outputs of notebook 00's first code cell, run alone in a fresh kernel in ``tmp_path``."""
+def _run_first_cell(tmp_path: Path, startup: str = "", then: str = "") -> list[dict]:
+    """Outputs of notebook 00's first code cell, run alone in a fresh kernel in ``tmp_path``
+    (and of ``then``, a second cell run after it)."""
     ipython_dir = tmp_path / "ipython"
     if startup:
         (ipython_dir / "profile_default" / "startup").mkdir(parents=True)
         (ipython_dir / "profile_default" / "startup" / "00-course.py").write_text(startup)
     cell = nbformat.v4.new_code_cell("".join(_first_code_cell(NOTEBOOKS[0])["source"]))
-    nb = nbformat.v4.new_notebook(cells=[cell])
+    nb = nbformat.v4.new_notebook(
+        cells=[cell] + ([nbformat.v4.new_code_cell(then)] if then else [])
+    )
     client = nbclient.NotebookClient(
         nb,
         kernel_name="python3",
@@ -81,7 +84,7 @@ def _run_first_cell(tmp_path: Path, startup: str = "") -> list[dict]:
     )
     env = {**os.environ, "IPYTHONDIR": str(ipython_dir), "COURSE_PROGRESS": "0"}
     client.execute(env=env)
-    return nb.cells[0].outputs
+    return [out for c in nb.cells for out in c.outputs]
 
 
 def _text(outputs: list[dict]) -> str:
@@ -95,7 +98,7 @@ def _text(outputs: list[dict]) -> str:
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_the_first_cell_installs_from_pyprojects_address(path: Path):
     # The address is defined once (pyproject's [project.urls]); every first cell is the same
-    # code around its own isolate.start(...) argument, so running one of them tests them all.
+    # code around its own lesson number, so running one of them tests them all.
     source = "".join(_first_code_cell(path)["source"])
     assert f'COURSE = "single-gpu-course @ git+{ADDRESS}"' in source, path.name
     assert re.findall(r"https?://[^\s\"]+", source) == [f"{ADDRESS}"], path.name
@@ -103,10 +106,13 @@ def test_the_first_cell_installs_from_pyprojects_address(path: Path):
     code = [line for line in source.splitlines() if not line.startswith("#")]
     reference = "".join(_first_code_cell(NOTEBOOKS[0])["source"])
     expected = [line for line in reference.splitlines() if not line.startswith("#")]
-    start = re.compile(r"^isolate\.start\(.*\)$")
-    assert [start.sub("start", line) for line in code] == [
-        start.sub("start", line) for line in expected
-    ], f"{path.name}: its first cell differs from notebook 00's beyond isolate.start's argument"
+    assert code[-1] == f'L = lesson("{path.name[:2]}")', (
+        f"{path.name}: the last line opens another lesson"
+    )
+    opening = re.compile(r'^L = lesson\("\d\d"\)$')
+    assert [opening.sub("open", line) for line in code] == [
+        opening.sub("open", line) for line in expected
+    ], f"{path.name}: its first cell differs from notebook 00's beyond the lesson's number"
 
 
 def test_without_the_course_the_cell_says_how_to_install_it(tmp_path: Path):
@@ -133,10 +139,12 @@ def test_in_colab_the_cell_installs_the_course_itself(tmp_path: Path):
 
 
 def test_a_library_outside_the_tested_range_is_named(tmp_path: Path):
-    # As if this torch were older than every tested one: the cell's only output says so.
+    # As if this torch were older than every tested one: print(L), the lesson's first output
+    # (the next cell), says so after the scale.
     startup = 'from helpers import compat\n\ncompat.TESTED["torch"] = ("99.0.0", "99.1.0")\n'
-    outputs = _run_first_cell(tmp_path, startup)
+    outputs = _run_first_cell(tmp_path, startup, then="print(L)")
     assert [out.get("name") for out in outputs] == ["stdout"], _text(outputs)
+    assert outputs[0]["text"].startswith("Lesson 00. "), _text(outputs)
     assert "torch" in outputs[0]["text"] and "tested 99.0.0 to 99.1.0; every lesson" in _text(
         outputs
     )

@@ -1,14 +1,28 @@
-"""Gradient accumulation helpers: batches, tolerances, and measuring accumulated steps."""
+"""Gradient accumulation: the lesson's cells (splitting, accumulating, counting targets, the
+tolerance) on padded batches, the measured accumulated step, and the lesson's figures."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from helpers.lessons import gradient_accumulation as acc
 from helpers.models import build_model, load_config
 from helpers.train import RunConfig, measure
+from tests.cells import cell_function
 from tests.plot_checks import figure_problems
+
+NOTEBOOK = "03_gradient_accumulation.ipynb"
+flat_grad = cell_function(NOTEBOOK, "flat_grad")
+split = cell_function(NOTEBOOK, "split")
+max_error = cell_function(NOTEBOOK, "max_error")
+accumulation_step = cell_function(NOTEBOOK, "accumulation_step")
+reorder_tolerance = cell_function(NOTEBOOK, "reorder_tolerance")
+FP32_EPS = torch.finfo(torch.float32).eps
+target_count = cell_function(NOTEBOOK, "target_count", F=F, flat_grad=flat_grad)
+token_loss_sum = cell_function(NOTEBOOK, "token_loss_sum", F=F, flat_grad=flat_grad)
+accumulated_grad = cell_function(NOTEBOOK, "accumulated_grad", F=F, flat_grad=flat_grad)
 
 
 def test_padded_batch_and_target_count():
@@ -16,37 +30,72 @@ def test_padded_batch_and_target_count():
     assert rows["input_ids"].shape == rows["labels"].shape == (3, 6)
     assert rows["attention_mask"].sum(1).tolist() == [5, 3, 1]
     assert (rows["labels"] == -100).sum() == 18 - 9  # every padded position is ignored
-    assert acc.target_count(rows["labels"]) == 4 + 2 + 0  # L real tokens give L - 1 targets
-    parts = acc.split(rows, 2)
+    assert target_count(rows["labels"]) == 4 + 2 + 0  # L real tokens give L - 1 targets
+    parts = split(rows, 2)
     assert [len(p["input_ids"]) for p in parts] == [2, 1]
     assert torch.equal(parts[1]["labels"], rows["labels"][2:])
 
 
 def test_tolerance_and_errors():
     ref = torch.tensor([0.5, -2.0, 0.0])
-    assert acc.reorder_tolerance(ref, 256) == pytest.approx(256 * 2**-23 * 2.0)
-    assert acc.max_error(ref + torch.tensor([0.0, 0.2, 0.0]), ref) == pytest.approx(0.1)
+    assert reorder_tolerance(ref, 256) == pytest.approx(256 * 2**-23 * 2.0)
+    assert max_error(ref + torch.tensor([0.0, 0.2, 0.0]), ref) == pytest.approx(0.1)
 
 
 def test_flat_grad_fills_missing_gradients_with_zeros():
     model = torch.nn.Linear(3, 2)
     model.weight.grad = torch.ones(2, 3)
-    g = acc.flat_grad(model)
+    g = flat_grad(model)
     assert g.shape == (8,) and g.sum() == 6
+
+
+def test_the_accumulation_step_applies_the_large_batch_gradient():
+    config = load_config("bert-tiny")
+    one_big = build_model(config, dropout=0.0)
+    many_small = build_model(config, dropout=0.0)  # the same seed: the same weights
+    batch = {
+        "input_ids": torch.randint(0, config.vocab_size, (4, 16)),
+        "labels": torch.arange(4) % 2,
+    }
+    sgd = torch.optim.SGD
+    g_big = accumulation_step(one_big, sgd(one_big.parameters(), lr=1e-3), [batch])
+    g_acc = accumulation_step(many_small, sgd(many_small.parameters(), lr=1e-3), split(batch, 1))
+    assert torch.allclose(g_acc, g_big, rtol=0, atol=reorder_tolerance(g_big, 4 * 16))
+    for a, b in zip(one_big.parameters(), many_small.parameters(), strict=True):  # stepped alike
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
 
 
 def test_token_normalised_accumulation_matches_the_large_batch():
     config = load_config("llama-tiny")
     model = build_model(config, dropout=0.0)
     rows = acc.padded_causal_batch([16, 9, 3], seq_len=16, vocab_size=config.vocab_size)
-    model(**rows).loss.backward()
-    big = acc.flat_grad(model)
-    model.zero_grad(set_to_none=True)
-    n = acc.target_count(rows["labels"])
-    for part in acc.split(rows, 1):
-        model(**part, num_items_in_batch=n).loss.backward()
-    tol = acc.reorder_tolerance(big, 3 * 16)
-    assert torch.allclose(acc.flat_grad(model), big, rtol=0, atol=tol)
+    n = target_count(rows["labels"])
+    big = accumulated_grad(model, [rows], lambda m, p: m(**p).loss)
+    tol = reorder_tolerance(big, 3 * 16)
+    by_hand = accumulated_grad(model, split(rows, 1), lambda m, p: token_loss_sum(m, p) / n)
+    hf = accumulated_grad(model, split(rows, 1), lambda m, p: m(**p, num_items_in_batch=n).loss)
+    assert torch.allclose(by_hand, big, rtol=0, atol=tol)
+    assert torch.allclose(hf, big, rtol=0, atol=tol)
+
+
+def test_naive_accumulation_is_wrong_only_for_unequal_lengths():
+    config = load_config("llama-tiny")
+    model = build_model(config, dropout=0.0)
+    seq = 16
+
+    def naive_error(lengths):  # each row's mean loss / k, against the large batch
+        rows = acc.padded_causal_batch(lengths, seq, 50)
+        big = accumulated_grad(model, [rows], lambda m, p: m(**p).loss)
+        naive = accumulated_grad(model, split(rows, 1), lambda m, p: m(**p).loss / len(lengths))
+        return max_error(naive, big)
+
+    # Rounding bound for sums over the batch's positions (reorder_tolerance), as a fraction of
+    # max |g|: 3 rows x 16 positions x eps. Equal lengths: the naive scheme is the large batch.
+    assert naive_error([seq] * 3) <= 3 * seq * FP32_EPS
+    # Unequal lengths: the naive scheme weighs the 2-target row's tokens T/(k T_i) = 24/(3 x 2)
+    # = 4x too much, a different objective, so its gradient is off by a good fraction of the
+    # gradient itself (5 % is far above rounding, far below what a 4x mis-weighting gives).
+    assert naive_error([16, 9, 3]) > 0.05
 
 
 def test_measure_follows_several_micro_batches():
@@ -61,33 +110,9 @@ def test_measure_follows_several_micro_batches():
     assert 0 < m["activations"] < m["peak"]
 
 
-def test_throughput_and_figure():
-    cfg = RunConfig(model="bert-tiny", batch_size=2, seq_len=16, grad_accum=2, warmup=1,
-                    repeats=1, device="cpu")  # fmt: skip
-    rec = acc.throughput(cfg)
-    assert rec.ok and rec.memory is None and rec.samples_per_s > 0
+def test_figures_have_no_drawing_problems():
     fig = acc.error_bars({"a": 1e-7, "b": 0.0, "c": 2.0}, tolerance=1e-5)
     assert len(fig.axes[0].patches) == 3
-
-
-def test_naive_accumulation_is_wrong_only_for_unequal_lengths():
-    config = load_config("llama-tiny")
-    model = build_model(config, dropout=0.0)
-    seq = 16
-    # Rounding bound for sums over the batch's positions (reorder_tolerance), as a fraction of
-    # max |g|: 3 rows x 16 positions x eps. Equal lengths: both schemes are the large batch.
-    rounding = 3 * seq * acc.FP32_EPS
-    equal = acc.naive_and_token_errors(model, acc.padded_causal_batch([seq] * 3, seq, 50))
-    assert equal["naive"] <= rounding and equal["token-weighted"] <= rounding, equal
-    # Unequal lengths: the naive scheme weighs the 2-target row's tokens T/(k T_i) = 24/(3 x 2)
-    # = 4x too much, a different objective, so its gradient is off by a good fraction of the
-    # gradient itself (5 % is far above rounding, far below what a 4x mis-weighting gives).
-    unequal = acc.naive_and_token_errors(model, acc.padded_causal_batch([16, 9, 3], seq, 50))
-    assert unequal["naive"] > 0.05, unequal
-    assert unequal["token-weighted"] <= rounding, unequal
-
-
-def test_figures_have_no_drawing_problems():
     # As in the lesson: six gradient errors (one exactly 0) and the tolerance N eps, with
     # N = 256 positions at the tiny scale and 2048 at the full scale.
     for n_terms, b in ((256, 4), (2048, 4)):
@@ -100,7 +125,7 @@ def test_figures_have_no_drawing_problems():
             "Trainer encoder": 3.0,
             "Trainer encoder fixed": 2e-8,
         }
-        fig = acc.error_bars(errors, n_terms * acc.FP32_EPS, title="Accumulated vs large-batch")
+        fig = acc.error_bars(errors, n_terms * FP32_EPS, title="Accumulated vs large-batch")
         assert figure_problems(fig) == []
     # Throughput: effective batch 8 split four ways, and 4×16 against 1×64 (tiny); effective
     # batch 4 split three ways at the full scale, where samples/s are single digits.

@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint_sequential
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from helpers.compat import activation_memory_budget, is_checkpointing
 from helpers.lessons.gradient_checkpointing import (
@@ -17,25 +17,39 @@ from helpers.lessons.gradient_checkpointing import (
     block_stack,
     budget_sweep,
     enable_checkpointing,
-    optimal_segments,
     paired_step_times,
-    partial_checkpoint_memory,
-    predicted_activation_bytes,
-    predicted_partial_activation_bytes,
-    saved_bytes_per_block,
     saved_for_backward,
     segments_figure,
-    stack_step_memory,
 )
+from helpers.memory import CategoryTracker
 from helpers.models import build_model, load_config
 from helpers.train import RunConfig, measure
 from tests.cells import cell_function
 from tests.plot_checks import figure_problems
 
-# Lesson 04's segmented step, as its cell writes it.
-SEGMENTED_STEP = cell_function("04_gradient_checkpointing.ipynb", "segmented_step")
-# Its loss compiled under an activation memory budget (section 7), as its cell writes it.
-BUDGET_LOSS = cell_function("04_gradient_checkpointing.ipynb", "budget_loss")
+NOTEBOOK = "04_gradient_checkpointing.ipynb"
+# Lesson 04's segmented step, its measurement and its arithmetic, as its cells write them.
+SEGMENTED_STEP = cell_function(NOTEBOOK, "segmented_step")
+stack_step_memory = cell_function(
+    NOTEBOOK, "stack_step_memory", block_stack=block_stack, CategoryTracker=CategoryTracker
+)
+# One cell writes the three (predicted_activation_bytes and optimal_segments call the first).
+saved_bytes_per_block = cell_function(NOTEBOOK, "saved_bytes_per_block")
+predicted_activation_bytes = cell_function(NOTEBOOK, "predicted_activation_bytes")
+optimal_segments = cell_function(NOTEBOOK, "optimal_segments")
+# The "Try it" section's blocks checkpointed one by one, and their arithmetic.
+partial_checkpoint_memory = cell_function(
+    NOTEBOOK,
+    "partial_checkpoint_memory",
+    block_stack=block_stack,
+    CategoryTracker=CategoryTracker,
+    checkpoint=checkpoint,
+)
+predicted_partial_activation_bytes = cell_function(
+    NOTEBOOK, "predicted_partial_activation_bytes", saved_bytes_per_block=saved_bytes_per_block
+)
+# The loss compiled under an activation memory budget (section 7), as its cell writes it.
+BUDGET_LOSS = cell_function(NOTEBOOK, "budget_loss")
 
 
 def _grads(segments: int, dropout: float):

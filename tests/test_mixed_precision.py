@@ -6,6 +6,7 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
+from helpers import isolate
 from helpers.hardware import precision_problem
 from helpers.lessons.mixed_precision import (
     DTYPES,
@@ -14,22 +15,26 @@ from helpers.lessons.mixed_precision import (
     cpu_16bit_sentence,
     crossover_figure,
     float_format,
-    linear_params,
     loss_figure,
     markov_runs,
-    measure_series,
     moving_average,
-    peak_phase,
     range_figure,
     scaler_trace,
-    skipped_steps,
 )
 from helpers.models import build_model, load_config
 from helpers.names import MiB
 from helpers.train import RunConfig, TrainResult, train_markov
+from tests.cells import cell_function
 from tests.plot_checks import figure_problems
 
 CPU = torch.device("cpu")
+NOTEBOOK = "05_mixed_precision.ipynb"
+linear_params = cell_function(
+    NOTEBOOK, "linear_params", build_model=build_model, load_config=load_config
+)
+peak_phase = cell_function(NOTEBOOK, "peak_phase")
+measure_series = cell_function(NOTEBOOK, "measure_series", isolate=isolate)
+skipped_steps = cell_function(NOTEBOOK, "skipped_steps")
 
 
 @pytest.mark.parametrize("name", list(DTYPES))

@@ -16,7 +16,6 @@ from transformers.models.switch_transformers.modeling_switch_transformers import
 
 from helpers.lessons.mixture_of_experts import (
     block_io,
-    ffn_params,
     lora_sites,
     pair_for,
     router_heatmap,
@@ -29,6 +28,7 @@ from tests.plot_checks import figure_problems
 NOTEBOOK = "09_mixture_of_experts.ipynb"
 router_load = cell_function(NOTEBOOK, "router_load")  # the lesson's cells: what it runs
 moe_by_hand = cell_function(NOTEBOOK, "moe_by_hand")
+ffn_params = cell_function(NOTEBOOK, "ffn_params")
 router_z_loss = cell_function(NOTEBOOK, "router_z_loss")
 
 

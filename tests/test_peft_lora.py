@@ -7,19 +7,17 @@ import torch
 
 from helpers.estimator import describe_model, estimate_run, training_state
 from helpers.estimator.qlora import NF4_CODE
-from helpers.lessons.peft_lora import (
-    adapter_params,
-    four_bit_weight_bytes,
-    meta_model,
-    rank_for,
-    step_memory,
-    target_names,
-    trainable_counts,
-)
+from helpers.lessons.peft_lora import four_bit_weight_bytes, meta_model, step_memory, target_names
 from helpers.memory import CategoryTracker
 from helpers.models import apply_lora, build_model, load_config
 from helpers.train import RunConfig, Trainee, measure
 from tests.cells import cell_function
+
+NOTEBOOK = "13_peft_lora.ipynb"
+# The lesson's hand count, as its cells write it
+adapter_params = cell_function(NOTEBOOK, "adapter_params", target_names=target_names)
+rank_for = cell_function(NOTEBOOK, "rank_for", adapter_params=adapter_params)
+trainable_counts = cell_function(NOTEBOOK, "trainable_counts")
 
 
 @pytest.mark.parametrize("targets", ["", "all-linear", "q_proj,k_proj,v_proj,o_proj"])
@@ -213,7 +211,7 @@ def test_run_config_lora_is_the_lessons_add_lora(targets, names):
     from peft import LoraConfig, get_peft_model
 
     add_lora = cell_function(
-        "13_peft_lora.ipynb", "add_lora", LoraConfig=LoraConfig, get_peft_model=get_peft_model
+        NOTEBOOK, "add_lora", LoraConfig=LoraConfig, get_peft_model=get_peft_model
     )
     config = load_config("llama-tiny")
     torch.manual_seed(1)  # peft draws A at random: the same seed for both

@@ -176,20 +176,16 @@ def test_search_table_groups_the_planners_search_by_outcome():
 
 
 def test_your_model_plans_in_worker_processes_equal_the_plans_made_here():
-    from helpers.lessons.putting_it_together import (
-        LORA_R,
-        YOUR_SEQ_LEN,
-        _plans_on_cards,
-        your_model_plans,
-    )
+    from helpers.lessons.putting_it_together import _plans_on_cards, your_model_plans
     from helpers.planner import plan_for_card
     from tests.cells import cell_function
 
-    # Lesson 14's plan_for_card call, as its cell writes it; it travels to the workers by value.
+    # Lesson 14's plan_for_card call, as its cell writes it (with the cell's YOUR_SEQ_LEN and
+    # LORA_R); it travels to the workers by value.
     plan_one = cell_function(
-        "14_putting_it_together.ipynb", "plan_your_model",
-        plan_for_card=plan_for_card, YOUR_SEQ_LEN=YOUR_SEQ_LEN, LORA_R=LORA_R,
-    )  # fmt: skip
+        "14_putting_it_together.ipynb", "plan_your_model", plan_for_card=plan_for_card
+    )
+    seq_len = plan_one.__globals__["YOUR_SEQ_LEN"]  # the knob as the cell sets it
     models, cards, methods = ("llama-tiny", "qwen3-tiny"), ("t4", "l4"), ("full", "lora")
     plans = your_model_plans(plan_one, models, cards, methods, workers=2)
     assert list(plans) == [(m, c, k) for m in models for c in cards for k in methods]
@@ -203,7 +199,7 @@ def test_your_model_plans_in_worker_processes_equal_the_plans_made_here():
         ), key  # fmt: skip
     # The cell's settings reached the planner.
     assert {(p.method, p.effective_batch, p.seq_len) for p in plans.values()} == {
-        (k, 2, YOUR_SEQ_LEN) for k in methods
+        (k, 2, seq_len) for k in methods
     }
 
 

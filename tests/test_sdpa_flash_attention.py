@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,7 +21,6 @@ from helpers.lessons.sdpa_flash_attention import (
     layer_memory,
     make_qkv,
     output_errors,
-    power_law_exponent,
     power_law_figure,
 )
 from tests.cells import cell_function
@@ -30,6 +30,8 @@ from tests.plot_checks import figure_problems
 attention_ops = cell_function("10_sdpa_flash_attention.ipynb", "attention_ops")
 # Its attention written by hand (section 1's cell): what the experiments run as "manual".
 by_hand = cell_function("10_sdpa_flash_attention.ipynb", "attention_by_hand", math=math)
+# The fit the lesson reads its slopes with (section 3's cell).
+power_law_exponent = cell_function("10_sdpa_flash_attention.ipynb", "power_law_exponent", np=np)
 
 EAGER = ["manual", "hf-eager", "sdpa-math"]
 

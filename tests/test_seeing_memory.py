@@ -1,4 +1,4 @@
-"""Lesson 15's own machinery (helpers.lessons.seeing_memory), as the notebook uses it."""
+"""Lesson 15's own machinery (its cells, helpers.lessons.seeing_memory) as the notebook uses it."""
 
 from __future__ import annotations
 
@@ -8,16 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers.lessons.seeing_memory import (
-    GRID,
-    REMEDIES,
-    grid_config,
-    growth,
-    largest_rows,
-    peak_match,
-    remedy,
-    short_where,
-)
+from helpers.lessons.seeing_memory import largest_rows, peak_match, short_where
 from helpers.memory import CATEGORIES
 from helpers.timeline import measure_timeline, predicted_timeline
 from helpers.train import RunConfig
@@ -25,6 +16,13 @@ from tests.cells import cell_function
 from tests.fake_gpu import PROFILES, FakeGpu
 
 BASE = RunConfig(model="llama-tiny", batch_size=2, seq_len=32, repeats=1, flops=False)
+NOTEBOOK = "15_seeing_memory.ipynb"
+# The lesson's cells: what it runs. A constant comes with the cell of the function that reads it.
+grid_config = cell_function(NOTEBOOK, "grid_config", replace=replace)
+GRID = grid_config.__globals__["GRID"]
+growth = cell_function(NOTEBOOK, "growth")
+remedy = cell_function(NOTEBOOK, "remedy")
+REMEDIES = remedy.__globals__["REMEDIES"]
 
 
 def test_grid_settings_use_the_devices_16_bit_format():
@@ -52,7 +50,7 @@ def test_an_oom_names_what_grew_and_its_fix_fits(batch, seq, grew):
     failed = measure_timeline(replace(base, budget=budget), isolate=False)
     g = growth(failed, len(failed.phase) - 1)
     assert failed.error and max(g, key=g.get) == grew
-    fix_for = cell_function("15_seeing_memory.ipynb", "fix_for", replace=replace)  # the lesson's
+    fix_for = cell_function(NOTEBOOK, "fix_for", replace=replace)  # the lesson's
     name, fixed_cfg = fix_for(replace(base, budget=budget), grew)
     fixed = measure_timeline(fixed_cfg, isolate=False)
     assert not fixed.error and fixed.peak <= budget, name
@@ -101,7 +99,7 @@ def test_the_oom_observer_dumps_the_history_and_the_allocators_counters(monkeypa
     )
     at_oom, path = {}, tmp_path / "oom.pickle"
     snapshot_at_oom = cell_function(
-        "15_seeing_memory.ipynb", "snapshot_at_oom", at_oom=at_oom, oom_snapshot_path=path
+        NOTEBOOK, "snapshot_at_oom", at_oom=at_oom, oom_snapshot_path=path
     )
     torch.cuda.memory._record_memory_history(max_entries=1000, stacks="python")
     torch.cuda.set_per_process_memory_fraction(0.25, torch.device("cuda", 0))

@@ -12,9 +12,12 @@ import logging
 import os
 import re
 import time
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from helpers.lessons import torch_compile as compiling
 from helpers.lessons.torch_compile import (
@@ -22,15 +25,10 @@ from helpers.lessons.torch_compile import (
     break_even_figure,
     break_even_steps,
     dynamo_summary,
-    eager_traffic,
-    explain,
     gelu_new,
     gelu_tanh_aten,
     generated_kernels,
-    graph_ops,
-    input_shapes,
     mlp_stack,
-    ops_by_layer,
     reset_dynamo,
     seconds_saved,
     short_reason,
@@ -41,6 +39,13 @@ from tests.cells import cell_function
 
 NOTEBOOK = "12_torch_compile.ipynb"
 GraphRecorder = cell_function(NOTEBOOK, "GraphRecorder")  # the lesson's cells: what it runs
+explain = cell_function(NOTEBOOK, "explain", quiet_dynamo=compiling.quiet_dynamo)
+graph_ops = cell_function(NOTEBOOK, "graph_ops")
+input_shapes = cell_function(NOTEBOOK, "input_shapes")
+ops_by_layer = cell_function(NOTEBOOK, "ops_by_layer", Counter=Counter, re=re)
+eager_traffic = cell_function(
+    NOTEBOOK, "eager_traffic", TorchDispatchMode=TorchDispatchMode, tree_leaves=tree_leaves
+)
 count_compiles = cell_function(
     NOTEBOOK, "count_compiles", GraphRecorder=GraphRecorder,
     contextlib=contextlib, logging=logging, os=os, re=re,

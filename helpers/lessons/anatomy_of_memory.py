@@ -239,10 +239,3 @@ def account_table(account: LayerAccount) -> pd.DataFrame:
     order = ["paper (16-bit)", f"paper {name}", "this model", f"predicted {name}",
              f"measured {name}"]  # fmt: skip
     return table[order].round(1 if name == "KiB" else 2)
-
-
-def dropout_bytes(config, batch_size: int, seq_len: int, device_type: str) -> int:
-    """Bytes per layer that dropout (p > 0) adds: its masks and the dropped probabilities."""
-    size = _sizes(config, batch_size, seq_len)
-    terms = korthikanti_terms(with_dropout(config, 0.1), device_type)
-    return sum(t.ours * size[t.unit] for t in terms if t.name in (ATTN_MASK, DROPPED, HIDDEN_MASKS))

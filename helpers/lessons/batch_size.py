@@ -6,8 +6,8 @@ accelerate's ``find_executable_batch_size`` (and the Trainer's ``auto_find_batch
 on it) retries with a smaller batch only when ``should_reduce_batch_size`` recognises the
 exception, and it recognises an out-of-memory error by its *message* (" out of memory." for
 CUDA), not by its type. The course's CPU budget raises ``torch.OutOfMemoryError`` with a message
-of its own, and a run in a fresh process returns its failure as a record instead of raising.
-The functions here turn both into an exception accelerate recognises, and nothing else.
+of its own: the functions here make it an exception accelerate recognises, and nothing else
+(for a fresh-process run's failure record, the notebook's ``raise_if_oom`` does the same).
 """
 
 from __future__ import annotations
@@ -28,31 +28,6 @@ from helpers.timing import Comparison, Disturbance, time_fn
 
 # The phrase accelerate.utils.should_reduce_batch_size looks for in a CUDA/XPU OOM message.
 OOM_PHRASE = " out of memory."
-
-
-def largest_fitting(peaks: dict[int, int], budget: int) -> int | None:
-    """The largest batch whose measured peak (bytes) is within ``budget``; None if none is."""
-    fits = [b for b, peak in peaks.items() if peak <= budget]
-    return max(fits) if fits else None
-
-
-def halving(start: int) -> Callable[[], int]:
-    """A ``reduce_batch_size_fn`` for accelerate: each call halves the batch, from ``start``."""
-    current = start
-
-    def reduce() -> int:
-        """The next batch size: half the last one."""
-        nonlocal current
-        current //= 2
-        return current
-
-    return reduce
-
-
-def raise_if_oom(record) -> None:
-    """Raise an OOM accelerate recognises when a fresh-process ``Record`` ran out of memory."""
-    if record.oom:
-        raise torch.OutOfMemoryError(f"run{OOM_PHRASE} {record.error}")
 
 
 def recognised_tracker(budget: int | None = None, device: torch.device | None = None):

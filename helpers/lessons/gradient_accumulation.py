@@ -1,65 +1,17 @@
-"""Lesson 03, sections 1, 2, 5 (notebooks/03_gradient_accumulation.ipynb).
+"""Lesson 03, sections 2, 3, 5 (notebooks/03_gradient_accumulation.ipynb).
 
-Gradient accumulation: comparing gradients, padded causal-LM batches, timing micro-batches.
-
-``helpers.train.Trainee.step`` accumulates ``grad_accum`` micro-batches per optimizer step and
-``helpers.isolate.run`` measures such steps; this module adds what lesson 03 needs around them.
+Gradient accumulation: padded causal-LM batches, the gradient errors' figure, timing
+micro-batches. The technique (splitting a batch, accumulating gradients, counting targets,
+the tolerance) is written in the notebook's cells; ``helpers.train.Trainee.step`` accumulates
+``grad_accum`` micro-batches per optimizer step and ``helpers.isolate.run`` measures such steps.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import replace
-
 import torch
 from matplotlib.figure import Figure
 
-from helpers.hardware import hardware_report
 from helpers.plots import category_labels
-from helpers.results import Record
-from helpers.timing import time_fn
-from helpers.train import Trainee
-
-FP32_EPS = torch.finfo(torch.float32).eps  # 2**-23: the spacing of fp32 numbers near 1
-
-
-def flat_grad(model: torch.nn.Module) -> torch.Tensor:
-    """All parameter gradients of ``model`` as one fp32 vector (zeros where a grad is None).
-
-    The vector lives on the CPU: lesson 03 keeps several to compare, which at the full scale
-    (1.3 GB each for bert-large) would crowd a 16 GB GPU that its experiments need.
-    """
-    parts = [
-        (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float()
-        for p in model.parameters()
-        if p.requires_grad
-    ]
-    return torch.cat(parts).cpu()
-
-
-def reorder_tolerance(reference: torch.Tensor, n_terms: int) -> float:
-    """Absolute tolerance for a sum of ``n_terms`` fp32 numbers computed in another order.
-
-    A heuristic, not a bound: the classical worst-case bound for recursive summation is about
-    (n - 1) * u * sum(|x_i|) (Higham, "Accuracy and Stability of Numerical Algorithms", ch. 4),
-    which needs every term's magnitude. Here n * eps times the largest gradient entry stands in
-    for it; with cancellation that entry can be smaller than sum(|x_i|).
-    """
-    return n_terms * FP32_EPS * float(reference.abs().max())
-
-
-def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest absolute difference between two gradient vectors, as a fraction of max |b|."""
-    return float((a - b).abs().max() / b.abs().max())
-
-
-def split(batch: dict[str, torch.Tensor], micro: int) -> list[dict[str, torch.Tensor]]:
-    """The rows of ``batch`` cut into consecutive micro-batches of ``micro`` rows.
-
-    A batch is transformers' keyword inputs by name (``model(**batch)``), so it stays a dict.
-    """
-    rows = len(next(iter(batch.values())))
-    return [{k: v[i : i + micro] for k, v in batch.items()} for i in range(0, rows, micro)]
 
 
 def padded_causal_batch(
@@ -80,11 +32,6 @@ def padded_causal_batch(
     }
 
 
-def target_count(labels: torch.Tensor) -> int:
-    """Tokens a causal LM is scored on: labels shifted by one, -100 excluded."""
-    return int((labels[..., 1:] != -100).sum())
-
-
 def error_bars(errors: dict[str, float], tolerance: float, title: str = "") -> Figure:
     """Bars of gradient errors (fraction of max |g|) on a log axis, the tolerance as a line."""
     fig = Figure(figsize=(max(5, 1.2 * len(errors) + 2), 3.8), layout="constrained")
@@ -103,51 +50,6 @@ def error_bars(errors: dict[str, float], tolerance: float, title: str = "") -> F
     ax.set_title(title)
     category_labels(ax, list(errors))  # wrapped and slanted, so long run names do not overlap
     return fig
-
-
-def throughput(cfg) -> Record:
-    """Samples/s of ``cfg`` from untracked steps only (no memory view): a quicker ``measure``."""
-    t0 = time.perf_counter()
-    trainee = Trainee(replace(cfg, flops=False))
-    timing = time_fn(trainee.step, trainee.device, warmup=max(1, cfg.warmup), repeats=cfg.repeats)
-    samples = cfg.batch_size * cfg.grad_accum
-    return Record(
-        config=cfg.as_dict(),
-        device=hardware_report(trainee.device).as_dict(),
-        n_params=trainee.n_params,
-        step_time=timing.median,
-        step_times=timing.times,
-        samples_per_s=samples / timing.median,
-        tokens_per_s=samples * cfg.seq_len / timing.median,
-        losses=trainee.losses,
-        wall_s=time.perf_counter() - t0,
-    )
-
-
-def naive_and_token_errors(
-    model: torch.nn.Module, rows: dict[str, torch.Tensor]
-) -> dict[str, float]:
-    """Errors of two accumulations of ``rows``, one row per micro-batch, against the whole batch.
-
-    "naive": each micro-batch's mean loss divided by the number of micro-batches; "token-
-    weighted": each micro-batch's loss summed and divided by the targets of the whole batch
-    (transformers' ``num_items_in_batch``). Errors are ``max_error``: a fraction of max |g|.
-    """
-    model.zero_grad(set_to_none=True)
-    model(**rows).loss.backward()
-    big = flat_grad(model)
-    parts = split(rows, 1)
-    n_total = target_count(rows["labels"])
-    out = {}
-    schemes = [("naive", {}, 1 / len(parts)),
-               ("token-weighted", {"num_items_in_batch": n_total}, 1.0)]  # fmt: skip
-    for name, kwargs, scale in schemes:
-        model.zero_grad(set_to_none=True)
-        for part in parts:
-            (model(**part, **kwargs).loss * scale).backward()
-        out[name] = max_error(flat_grad(model), big)
-    model.zero_grad(set_to_none=True)
-    return out
 
 
 def throughput_groups_figure(

@@ -13,11 +13,10 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from helpers.isolate import call_isolated
-from helpers.memory import CategoryPeaks, CategoryTracker, saved_for_backward
+from helpers.memory import saved_for_backward
 from helpers.models import disable_checkpointing, enable_checkpointing
 from helpers.plots import legend_outside, plain_ticks
 from helpers.timing import Comparison, Disturbance, time_once
@@ -48,113 +47,6 @@ def block_stack(
     """``n_blocks`` Blocks in an nn.Sequential, initialised from ``seed``."""
     torch.manual_seed(seed)
     return nn.Sequential(*(Block(width, expansion, dropout) for _ in range(n_blocks)))
-
-
-def saved_bytes_per_block(rows: int, width: int, expansion: int = 1) -> tuple[int, int]:
-    """(boundary, inside) bytes in fp32: one block's input, and what its backward saves besides it.
-
-    Inside a Block, backward needs: LayerNorm's output (the input of fc1), fc1's output (GELU's
-    input), GELU's output (fc2's input), and LayerNorm's mean and 1/std per row. The residual
-    addition and the dropout with p=0 save nothing.
-    """
-    c = 4 * rows * width
-    return c, 4 * rows * (width + 2 * expansion * width + 2)
-
-
-def predicted_activation_bytes(
-    n_blocks: int, segments: int, rows: int, width: int, expansion: int = 1
-) -> int:
-    """Activation bytes at the peak of ``stack_step_memory``, by arithmetic.
-
-    ``checkpoint_sequential`` checkpoints all segments but the last, which runs normally:
-    the peak, when the backward starts, holds the inputs of the ``segments - 1`` checkpointed
-    segments, everything the last segment's blocks saved, and the output the loss saved.
-    """
-    c, inside = saved_bytes_per_block(rows, width, expansion)
-    last = n_blocks - (segments - 1) * (n_blocks // segments)  # blocks in the last segment
-    return (segments - 1) * c + last * (c + inside) + c
-
-
-def optimal_segments(n_blocks: int, rows: int, width: int, expansion: int = 1) -> float:
-    """The segment count that minimises (s - 1) c + (n / s)(c + inside): sqrt(n (c + inside) / c).
-
-    With blocks that save only their input (inside = 0) this is Chen et al.'s sqrt(n).
-    """
-    c, inside = saved_bytes_per_block(rows, width, expansion)
-    return (n_blocks * (c + inside) / c) ** 0.5
-
-
-# The step the lesson's cell writes: (stack, x, segments) runs forward and backward through
-# ``stack`` in that many ``checkpoint_sequential`` segments (1: no checkpointing).
-SegmentedStep = Callable[[nn.Sequential, torch.Tensor, int], None]
-
-
-def stack_step_memory(
-    n_blocks: int,
-    width: int,
-    rows: int,
-    segments: int,
-    step: SegmentedStep,
-    expansion: int = 1,
-    seed: int = 0,
-) -> CategoryPeaks:
-    """Exact per-category peaks (bytes) of ``step``, forward + backward through a Block stack
-    in ``segments`` segments, tracked."""
-    stack = block_stack(n_blocks, width, expansion, seed=seed)
-    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed))
-    tracker = CategoryTracker()
-    tracker.track_external(stack)
-    with tracker:
-        step(stack, x, segments)
-    return tracker.peaks()
-
-
-def segment_sweep(
-    n_blocks: int,
-    width: int,
-    rows: int,
-    segment_counts: list[int],
-    step: SegmentedStep,
-    expansion: int = 1,
-) -> dict[int, CategoryPeaks]:
-    """``stack_step_memory`` of the lesson's ``step`` for each segment count: {segments: its
-    per-category peaks}."""
-    return {s: stack_step_memory(n_blocks, width, rows, s, step, expansion) for s in segment_counts}
-
-
-def partial_checkpoint_memory(
-    n_blocks: int, width: int, rows: int, checkpointed: int, expansion: int = 1, seed: int = 0
-) -> CategoryPeaks:
-    """Exact per-category peaks (bytes) of forward + backward with the first ``checkpointed``
-    blocks each wrapped in ``checkpoint`` and the others run plainly."""
-    stack = block_stack(n_blocks, width, expansion, seed=seed)
-    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed))
-    tracker = CategoryTracker()
-    tracker.track_external(stack)
-    with tracker:
-        y = x
-        for i, block in enumerate(stack):
-            y = checkpoint(block, y, use_reentrant=False) if i < checkpointed else block(y)
-        y.square().mean().backward()
-        del y
-    return tracker.peaks()
-
-
-def predicted_partial_activation_bytes(
-    n_blocks: int, checkpointed: int, rows: int, width: int, expansion: int = 1
-) -> int:
-    """Activation bytes at the peak of ``partial_checkpoint_memory``, by arithmetic.
-
-    When the backward starts: every block's input (c each), the inside of every plain block,
-    and the stack's output, which the loss saved: (n + 1) c + (n - k) inside, falling by one
-    inside per checkpointed block. The checkpointed blocks are recomputed later, one at a time,
-    after the plain blocks' insides are gone: n c + inside, which is the peak only when every
-    block is checkpointed (k = n).
-    """
-    c, inside = saved_bytes_per_block(rows, width, expansion)
-    at_start = (n_blocks + 1) * c + (n_blocks - checkpointed) * inside
-    recomputing = n_blocks * c + inside if checkpointed else 0
-    return max(at_start, recomputing)
 
 
 # The loss the lesson's cell writes: (stack, x, budget) -> the stack's loss on x, with the

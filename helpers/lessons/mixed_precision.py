@@ -14,8 +14,6 @@ from dataclasses import dataclass
 import torch
 from matplotlib.figure import Figure
 
-from helpers import isolate
-from helpers.models import build_model, load_config
 from helpers.names import MiB
 from helpers.progress import progress
 from helpers.train import TrainResult, train_markov, train_step
@@ -118,29 +116,6 @@ def cpu_16bit_sentence(flags: Mapping[str, bool] | None) -> str:
     )
 
 
-def linear_params(model: str) -> int:
-    """Weights and biases of the nn.Linear layers of a bundled model (built on the meta device)."""
-    with torch.device("meta"):
-        net = build_model(load_config(model), device="meta")
-    return sum(
-        p.numel()
-        for m in net.modules()
-        if isinstance(m, torch.nn.Linear)
-        for p in m.parameters(recurse=False)
-    )
-
-
-def peak_phase(memory: Mapping) -> str:
-    """Where a Record's peak was: 'optimizer step' if every gradient existed, else 'fwd/bwd'."""
-    at = memory.get("peak_at") or {}
-    return "optimizer step" if at.get("gradients", 0) >= memory["params"] else "fwd/bwd"
-
-
-def measure_series(cfgs: Sequence) -> list:
-    """``helpers.train.measure`` of each RunConfig in turn, in this process; OOM comes back."""
-    return [isolate.run(cfg, isolate=False) for cfg in progress(cfgs, "memory runs")]
-
-
 def markov_runs(cfgs: Sequence, steps: int, lr: float | None = None) -> list[TrainResult]:
     """``helpers.train.train_markov`` of each RunConfig in turn, in this process (isolate it);
     ``lr`` replaces the optimizers' learning rate."""
@@ -183,12 +158,6 @@ def scaler_trace(
             }
         )
     return rows
-
-
-def skipped_steps(scales: Sequence[float], init_scale: float = 2.0**16) -> int:
-    """Steps a GradScaler skipped, from the scale after each step: every skip lowers it."""
-    before = [init_scale, *scales][: len(scales)]
-    return sum(after < prev for prev, after in zip(before, scales, strict=True))
 
 
 def range_figure(names: Sequence[str], marks: Mapping[str, float] | None = None) -> Figure:

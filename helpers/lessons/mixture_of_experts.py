@@ -1,8 +1,8 @@
 """Lesson 09, sections 1-6 (notebooks/09_mixture_of_experts.ipynb): counts, FLOPs, figures,
 and where a peft LoRA config puts its adapters.
 
-The block by hand, the router's load (with transformers' auxiliary loss and the router
-z-loss) and the LoRA configs are the notebook's own cells.
+The block by hand, the FFN parameter count, the router's load (with transformers' auxiliary
+loss and the router z-loss) and the LoRA configs are the notebook's own cells.
 
 Mixture of experts: a sparse Mixtral-style model next to the dense model of equal active width.
 
@@ -32,15 +32,6 @@ PAIRS = {
 def pair_for(scale_name: str) -> tuple[str, str]:
     """(sparse, dense) bundled config names for a scale."""
     return PAIRS[scale_name]
-
-
-def ffn_params(model: torch.nn.Module) -> int:
-    """Parameters of the feed-forward blocks: experts (and router) or the dense MLP."""
-    return sum(
-        p.numel()
-        for name, p in model.named_parameters()
-        if ".mlp." in name or ".block_sparse_moe." in name
-    )
 
 
 @dataclass

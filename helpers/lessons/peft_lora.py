@@ -1,6 +1,7 @@
 """Lesson 13 (notebooks/13_peft_lora.ipynb).
 
-LoRA with the peft package: adapters counted by hand and by peft, on any device.
+LoRA with the peft package: the layers it adapts, models on the meta device, 4-bit weight
+bytes, a step's memory, a figure; the notebook counts the adapters by hand.
 
 LoRA (Hu et al., 2021) freezes a Linear layer's weight W (out x in) and learns a low-rank
 update beside it: y = W x + (alpha / r) B A x, with A (r x in) and B (out x r). B starts at
@@ -41,21 +42,6 @@ def target_names(model: torch.nn.Module, targets: str = "") -> list[str]:
     return out
 
 
-def adapter_params(model: torch.nn.Module, r: int, targets: str = "") -> int:
-    """LoRA's trainable numbers counted by hand: r·(in + out) per adapted Linear."""
-    total = 0
-    for name in target_names(model, targets):
-        linear = model.get_submodule(name)
-        total += r * (linear.in_features + linear.out_features)
-    return total
-
-
-def rank_for(model: torch.nn.Module, n_adapter: float, targets: str = "") -> int:
-    """The rank whose adapters come closest to ``n_adapter`` trainable numbers."""
-    per_rank = adapter_params(model, 1, targets)
-    return max(1, round(n_adapter / per_rank))
-
-
 def four_bit_weight_bytes(
     model: torch.nn.Module, double_quant: bool = True, other_bytes: int = 2
 ) -> int:
@@ -87,13 +73,6 @@ def meta_model(config):
     )
     with torch.device("meta"):
         return auto.from_config(config, dtype=torch.float32)
-
-
-def trainable_counts(model: torch.nn.Module) -> tuple[int, int, int]:
-    """(trainable numbers, all numbers, trainable tensors) of a model, tied weights once."""
-    params = list(model.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    return sum(p.numel() for p in trainable), sum(p.numel() for p in params), len(trainable)
 
 
 def step_memory(model: torch.nn.Module, batch: dict) -> dict:

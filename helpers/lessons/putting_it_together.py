@@ -85,7 +85,6 @@ def pure_bf16_problem(device: torch.device) -> str | None:
 
 
 SEED_DEVICE = "Tesla V100-SXM2 16 GB (Transformers v4.30 docs, single-GPU guide)"
-SEED_CONTEXT_MB = 1343  # the guide's nvidia-smi reading after one tiny tensor: the CUDA context
 
 
 def half_precision(device: torch.device) -> str:
@@ -282,8 +281,6 @@ SHORT = {
 
 YOUR_MODELS = ("qwen3-0.6b", "llama-3.2-1b")  # bundled real configs: a traced and an analytical
 YOUR_CARDS = ("t4", "l4")  # 16 GB (no bf16) and 24 GB (helpers.hardware.REFERENCE_CARDS)
-YOUR_SEQ_LEN = 1024
-LORA_R = 16  # LoRA rank on every Linear of the layers ("all-linear"), as in the QLoRA paper
 
 
 def your_model_space(card, method: str = "full") -> dict:

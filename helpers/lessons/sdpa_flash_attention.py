@@ -309,11 +309,6 @@ def output_errors(
     return OutputErrorsResult(errors, v.abs().max().item())
 
 
-def power_law_exponent(xs, ys) -> float:
-    """Exponent p of y ~ c x^p: the slope of a straight-line fit on log-log axes."""
-    return float(np.polyfit(np.log(np.asarray(xs, float)), np.log(np.asarray(ys, float)), 1)[0])
-
-
 def flash_attn_2_problem(device) -> str | None:
     """None when transformers can use the flash-attn package here, else why not."""
     from transformers.utils import is_flash_attn_2_available  # no transformers until asked

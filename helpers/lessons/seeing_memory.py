@@ -1,40 +1,18 @@
 """Lesson 15 (Seeing memory): timelines side by side, the peak read, an OOM debugged.
 
 The timelines themselves are core machinery (``helpers.timeline``); here is what the lesson
-does with them: the settings it compares, how a prediction's peak is matched to the
-measured one, and the remedy each category at an out-of-memory error points to.
+does with them: how a prediction's peak is matched to the measured one, and where a point is
+(the module's path without the model class), the largest tensors at the peak as table rows.
+The settings compared, the growth read and the remedies are the notebook's cells.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from helpers.names import MiB
 from helpers.plots import short_module
-from helpers.timeline import Timeline, _blocks, align, measure_timeline, predicted_timeline
-from helpers.train import RunConfig
-
-# Section 2's grid: each model in four settings (the 16-bit format is the device's).
-GRID = {
-    "fp32": {},
-    "16-bit": {"precision": "half"},
-    "fp32 + checkpointing": {"gradient_checkpointing": True},
-    "16-bit + checkpointing": {"precision": "half", "gradient_checkpointing": True},
-}
-
-# What removes a category's bytes, and the lesson that shows it.
-REMEDIES = {
-    "activations": "gradient checkpointing (04), a smaller micro-batch with gradient "
-    "accumulation (03), 16-bit autocast (05), SDPA attention (10)",
-    "temporaries": "a smaller micro-batch (02/03); under autocast, fewer 16-bit weight copies "
-    "alive at once (checkpointing, 04)",
-    "gradients": "LoRA: gradients for the adapters only (13); optimizer steps inside backward "
-    "free each gradient as it is used",
-    "optimizer_state": "8-bit AdamW or Adafactor (06), LoRA (13), DeepSpeed offload (08)",
-    "params": "LoRA/QLoRA with 16-bit or 4-bit frozen weights (13), DeepSpeed ZeRO-3 offload (08)",
-    "buffers": "a shorter maximum sequence (position buffers), rarely the problem",
-    "inputs": "a smaller batch (02)",
-}
+from helpers.timeline import Timeline, _blocks, align
 
 
 @dataclass
@@ -53,17 +31,6 @@ class PeakMatch:
     def error(self) -> float:
         """(predicted - measured) / measured."""
         return (self.predicted - self.measured) / self.measured
-
-
-def grid_config(base: RunConfig, setting: dict, half: str) -> RunConfig:
-    """``base`` with a GRID setting applied ("half" is the device's 16-bit format)."""
-    changes = {k: (half if v == "half" else v) for k, v in setting.items()}
-    return replace(base, **changes)
-
-
-def measured_and_predicted(cfg: RunConfig) -> tuple[Timeline, Timeline]:
-    """The tracker's timeline of ``cfg`` (fresh process) and the estimator's."""
-    return measure_timeline(cfg), predicted_timeline(cfg)
 
 
 def peak_match(measured: Timeline, predicted: Timeline) -> PeakMatch:
@@ -87,24 +54,10 @@ def peak_match(measured: Timeline, predicted: Timeline) -> PeakMatch:
     )
 
 
-def phase_values(t: Timeline, category: str, phase: str, micro: int | None = None) -> list[int]:
-    """A category's bytes at every point of one phase (of one micro-batch, if given)."""
-    return [
-        v
-        for v, p, m in zip(t.alive[category], t.phase, t.micro, strict=True)
-        if p == phase and (micro is None or m == micro)
-    ]
-
-
 def short_where(where: str) -> str:
     """ "backward: LlamaForCausalLM.model.layers.0.mlp" -> "backward: model.layers.0.mlp"."""
     phase, _, module = where.partition(": ")
     return f"{phase}: {short_module(module)}" if module else phase
-
-
-def remedy(category: str) -> str:
-    """The techniques that shrink ``category``, with their lessons."""
-    return REMEDIES.get(category, "see lesson 14's planner")
 
 
 def largest_rows(t: Timeline, n: int = 6) -> list[dict]:
@@ -119,9 +72,3 @@ def largest_rows(t: Timeline, n: int = 6) -> list[dict]:
         }
         for x in t.at_peak[:n]
     ]
-
-
-def growth(t: Timeline, index: int | None = None) -> dict[str, int]:
-    """Bytes each category added between the step's start and point ``index`` (the peak)."""
-    i = t.peak_index if index is None else index
-    return {k: v[i] - v[0] for k, v in t.alive.items()}

@@ -28,8 +28,6 @@ import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters, guard_failures
 from torch._inductor.utils import clear_caches, run_and_get_code
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from helpers.device import resolve
 from helpers.isolate import call_isolated
@@ -48,41 +46,6 @@ from helpers.train import train_step  # at call time: importing transformers cos
 # Seeing what dynamo captures
 
 
-def graph_ops(gm: torch.fx.GraphModule) -> list[str]:
-    """Names of the operations in a captured graph, in order (inputs and outputs left out)."""
-    ops = []
-    for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method"):
-            ops.append(getattr(node.target, "__name__", str(node.target)))
-        elif node.op == "call_module":
-            ops.append(type(gm.get_submodule(node.target)).__name__)
-    return ops
-
-
-def ops_by_layer(gm: torch.fx.GraphModule, layers: str = r"layers\.(\d+)") -> dict:
-    """Operations of a captured graph per repeated layer, from the module path that Dynamo
-    records on each node (``nn_module_stack``): {layer index: count}, and under ``None`` the
-    operations outside any layer. ``layers`` matches a path's last part, its group the index."""
-    counts = Counter()
-    for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method", "call_module"):
-            paths = [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
-            found = [m for p in paths if (m := re.search(rf"\.{layers}$", p))]
-            counts[int(found[-1][1]) if found else None] += 1
-    return dict(counts)
-
-
-def input_shapes(gm: torch.fx.GraphModule) -> list[tuple]:
-    """Shapes of a captured graph's tensor inputs other than parameters; a symbolic (dynamic)
-    size shows as s and a number."""
-    shapes = []
-    for node in gm.graph.nodes:
-        value = node.meta.get("example_value") if node.op == "placeholder" else None
-        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-            shapes.append(tuple(str(s) if isinstance(s, torch.SymInt) else s for s in value.shape))
-    return shapes
-
-
 @contextlib.contextmanager
 def quiet_dynamo():
     """Silence dynamo's and inductor's warnings (the lesson reads the same facts as data)."""
@@ -96,18 +59,6 @@ def quiet_dynamo():
     finally:
         for log, level in zip(loggers, levels, strict=True):
             log.setLevel(level)
-
-
-def explain(fn: Callable, *args, **kwargs):
-    """``torch._dynamo.explain(fn)(*args, **kwargs)`` from a clean dynamo state, quietly."""
-    torch._dynamo.reset()
-    with quiet_dynamo():
-        return torch._dynamo.explain(fn)(*args, **kwargs)
-
-
-def is_compiled(module) -> bool:
-    """Whether ``module`` is torch.compile's wrapper around a model (an ``OptimizedModule``)."""
-    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
 
 
 def short_reason(reason: str) -> str:
@@ -189,31 +140,6 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_aten(x: torch.Tensor) -> torch.Tensor:
     """The same function as one hand-written ATen kernel: ``F.gelu(approximate="tanh")``."""
     return torch.nn.functional.gelu(x, approximate="tanh")
-
-
-class _TrafficCount(TorchDispatchMode):
-    """Counts the ATen operators run under it and the bytes of their tensor inputs and outputs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        leaves = tree_leaves((args, kwargs, out))
-        self.ops += 1
-        self.bytes += sum(
-            t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)
-        )
-        return out
-
-
-def eager_traffic(fn: Callable, *args) -> tuple[int, int]:
-    """(operators run, bytes of their tensor inputs and outputs) when ``fn(*args)`` runs eagerly."""
-    with _TrafficCount() as count:
-        fn(*args)
-    return count.ops, count.bytes
 
 
 @dataclass
@@ -594,11 +520,6 @@ def _compile_counters() -> CompileCountersResult:
             counters["aot_autograd"]["autograd_cache_miss"],
         ),
     )
-
-
-def profiles(calls: Sequence[tuple[Callable, dict]]) -> list:
-    """Run several profile functions one after another in this process; their results."""
-    return [fn(**kwargs) for fn, kwargs in calls]
 
 
 def break_even_steps(extra_first_s: float, eager_step_s: float, compiled_step_s: float):
