@@ -13,6 +13,10 @@
 - transformers' ``TrainingArguments(torch_compile=True)`` without an Ampere GPU warns that
   the speedups mostly come with one; lesson 12 measures what compiling does on the machine at
   hand instead, and says why a CPU gains less.
+- tqdm, imported by transformers and accelerate in a Jupyter kernel without ipywidgets (a GPU
+  image's, the floor environment), warns "IProgress not found. Please update jupyter and
+  ipywidgets" and draws text bars instead: the course's own bars are text (helpers.progress),
+  so there is nothing to update.
 
 Other warnings and errors of both libraries still show. ``quiet_libraries()`` is the context
 manager the lessons use; experiments in isolated processes run inside it (helpers.isolate),
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Callable
 
 BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"  # logs the Hub-kernel warning
@@ -30,6 +35,7 @@ DEEPSPEED_LOGGER = "DeepSpeed"  # deepspeed.utils.logging's logger
 TORCHAO_LOGGER = "torchao"  # logs each kernel library it cannot load
 PYTREE_LOGGER = "torch.utils._pytree"  # logs register_constant() of an Enum as deprecated
 TRAINING_ARGS_LOGGER = "transformers.training_args"  # logs the torch_compile-without-Ampere line
+TQDM_WIDGET_NOTICE = "IProgress not found"  # tqdm.auto's warning in a kernel without ipywidgets
 
 
 def _cpu_accelerator_notice(record: logging.LogRecord) -> bool:
@@ -67,11 +73,15 @@ def silence_library_notices() -> Callable[[], None]:
     bnb.setLevel(logging.ERROR)
     for name, notice in _FILTERS:
         logging.getLogger(name).addFilter(notice)
+    warnings.filterwarnings("ignore", message=TQDM_WIDGET_NOTICE)
+    widget_filter = warnings.filters[0]  # the one just added
 
     def restore() -> None:
         bnb.setLevel(level)
         for name, notice in _FILTERS:
             logging.getLogger(name).removeFilter(notice)
+        if widget_filter in warnings.filters:
+            warnings.filters.remove(widget_filter)
 
     return restore
 

@@ -41,11 +41,14 @@ sys.meta_path.insert(0, _NoCourse())
 """
 
 FAKE_COLAB = """
+import importlib.machinery
 import types
 
 from IPython import get_ipython
 
 sys.modules["google.colab"] = types.ModuleType("google.colab")
+# Colab's module is a real package: libraries ask importlib for its spec (accelerate does).
+sys.modules["google.colab"].__spec__ = importlib.machinery.ModuleSpec("google.colab", None)
 
 
 def _pip(line):

@@ -2,11 +2,17 @@
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
-from helpers.quiet import DEEPSPEED_LOGGER, _cpu_accelerator_notice, quiet_libraries
+from helpers.quiet import (
+    DEEPSPEED_LOGGER,
+    _cpu_accelerator_notice,
+    quiet_libraries,
+    silence_library_notices,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -42,6 +48,21 @@ def test_quiet_libraries_drops_two_notices_only_and_restores():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="deepspeed finds the GPU and stays quiet")
+def test_tqdms_widget_notice_is_dropped_until_restored():
+    # What a kernel without ipywidgets shows when transformers imports tqdm.auto.
+    from tqdm import TqdmWarning
+
+    notice = "IProgress not found. Please update jupyter and ipywidgets. See https://..."
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        restore = silence_library_notices()
+        warnings.warn(notice, TqdmWarning, stacklevel=1)
+        warnings.warn("another tqdm warning", TqdmWarning, stacklevel=1)
+        restore()
+        warnings.warn(notice, TqdmWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["another tqdm warning", notice]
+
+
 def test_deepspeed_accelerator_warning_is_silenced():
     # The import that a Trainer's creation triggers, in a fresh interpreter (deepspeed warns
     # once per process), with and without the filter: the control shows the check can fail.
