@@ -1,4 +1,4 @@
-"""helpers.quiet: two import-time notices go, everything else stays."""
+"""helpers.quiet: the library notices it names go, everything else stays."""
 
 import subprocess
 import sys
