@@ -92,7 +92,7 @@ def lesson_entry(number: str) -> LessonEntry:
 def preload_for(number: str) -> tuple[str, ...]:
     """What the fork server preloads for lesson ``number`` besides the usual; () for a number
     with no row (a scratch notebook)."""
-    return next((e.preload for e in LESSONS if e.number == number), ())
+    return lesson_entry(number).preload if number in NUMBERS else ()
 
 
 def by_gpu_rank() -> tuple[str, ...]:
