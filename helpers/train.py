@@ -517,6 +517,48 @@ def _measure(cfg: RunConfig) -> Record:
     )
 
 
+def measure_speeds(configs: list[RunConfig], flops: dict[str, int | None]) -> dict[str, dict]:
+    """Speed only, several settings in turn in this one process: each built, stepped (its
+    warmup, one untimed step, ``repeats`` timed), read by NVML, freed before the next.
+
+    ``measure`` in a fresh process per setting gives the bytes; this is the quiet-card timing
+    of settings whose bytes are measured elsewhere (gpu-check's capstone), without a process,
+    a tracked step and a FLOP count each. ``flops`` is each label's counted FLOPs per step
+    (``Record.flops_per_step``), for MFU.
+
+    Returns:
+        Per label the ``Record`` fields it measured (step times, samples/s, tokens/s, MFU,
+        HFU, NVML), or ``{"error": ...}`` for a setting that failed; the others still run.
+    """
+    out: dict[str, dict] = {}
+    for cfg in configs:
+        trainee = None
+        try:
+            trainee = Trainee(cfg)
+            for _ in range(max(1, cfg.warmup)):
+                trainee.step()
+            timing = time_fn(trainee.step, trainee.device, warmup=1, repeats=cfg.repeats)
+            report, samples = hardware_report(trainee.device), cfg.batch_size * cfg.grad_accum
+            util = (None, None)
+            if trainee.device.type == "cuda":
+                util = flops_utilisation(flops.get(cfg.label), timing.median, report.name,
+                                         cfg.precision, report.multiprocessors,
+                                         recomputes=cfg.gradient_checkpointing)  # fmt: skip
+            out[cfg.label] = {
+                "step_time": timing.median, "step_times": timing.times,
+                "samples_per_s": samples / timing.median,
+                "tokens_per_s": samples * cfg.seq_len / timing.median,
+                "mfu": util[0], "hfu": util[1], "nvml_used": nvml_used_bytes(trainee.device),
+            }  # fmt: skip
+        except Exception as err:  # one setting's failure is its row's, never the others'
+            out[cfg.label] = {"error": f"{type(err).__name__}: {err}".splitlines()[0]}
+        finally:
+            device = trainee.device if trainee is not None else resolve(cfg.device)
+            del trainee
+            device_api.release_cached(device)
+    return out
+
+
 @dataclass
 class TrainResult:
     """Loss curve, step times and (fp16) loss scales of a run on the learnable task."""

@@ -4,6 +4,7 @@ gets. The quick run here is the version ``make test`` runs so the command cannot
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -56,14 +57,16 @@ def test_the_quick_run_writes_every_part_of_the_report(quick_run):
     assert "torch" in data["environment"] and data["packages"]
     assert "budget cap" in data["preflight"] and "no check fails" in data["preflight"]
     rows = {r["label"]: r for r in data["estimator"]}
-    # Part b's two phases: the decoder's settings side by side, then the capstone's alone.
+    # Part b's phases: every setting side by side, then the capstone's timed in one process.
     together = [r for r in data["estimator"] if r["phase"] == "at once"]
-    alone = [r for r in data["estimator"] if r["phase"] == "alone"]
-    assert [r["label"] for r in alone] == ["vanilla", "16-bit"] and len(together) == 2
-    assert all(a["started_s"] >= max(t["ended_s"] for t in together) for a in alone)
+    assert len(together) == 4, data["estimator"]
+    speed = data["speed_phase"]
+    assert speed["labels"] == ["vanilla", "16-bit"] and speed["error"] is None
+    assert speed["started_s"] >= max(t["ended_s"] for t in together)
     if G.concurrency("cpu", os.cpu_count() or 1) > 1:  # the timestamps overlap
-        first, second = sorted((r["started_s"], r["ended_s"]) for r in together)
-        assert second[0] < first[1] and data["estimator_most_at_once"] == 2
+        spans = sorted((r["started_s"], r["ended_s"]) for r in together)
+        assert any(b[0] < a[1] for a, b in itertools.pairwise(spans))
+        assert data["estimator_most_at_once"] == 2
     for label in ("vanilla", "16-bit"):  # on the CPU the estimator is exact for the encoder
         row = rows[label]
         assert row["predicted"]["peak"] == pytest.approx(row["tracked"]["peak"], rel=0.02)
@@ -118,6 +121,69 @@ def test_a_notebook_past_the_deadline_is_stopped_and_reported(tmp_path):
     too_late = G.Clock(0.0)
     G.run_notebooks([slow], "tiny", tmp_path / "work", too_late, 1, rows.append, "cpu")
     assert rows[1]["outcome"] == "not started" and "min left" in rows[1]["error"]
+
+
+def test_notebooks_at_once_keep_within_the_cards_bytes_and_name_who_ran_beside(tmp_path):
+    """a (6 bytes) and c (4) fill the 10 of the card; b (5) waits for a's bytes, then runs
+    beside c, which takes longest."""
+    seconds = {"a": 1, "b": 1, "c": 6}
+    nbs = [_notebook(tmp_path / f"{n}.ipynb", f"import time\ntime.sleep({t})")
+           for n, t in seconds.items()]  # fmt: skip
+    need = {"a": 6, "b": 5, "c": 4}
+    rows = []
+    G.run_notebooks(nbs, "tiny", tmp_path / "work", G.Clock(2), 3, rows.append, "cpu",
+                    estimate_s=lambda path: 1.0, need_bytes=lambda path: need[path.stem],
+                    capacity=10)  # fmt: skip
+    beside = {r["lesson"]: r["beside"] for r in rows}
+    assert all(r["outcome"] == "passed" for r in rows), rows
+    assert beside == {"a": ["c"], "b": ["c"], "c": ["a", "b"]}
+
+
+def test_on_a_gpu_the_full_scale_runs_at_once_and_a_lesson_failing_beside_others_again_alone(
+    monkeypatch, tmp_path
+):
+    """Part c on a (fake) H100 at the full scale: the tiny scale only for a lesson that does
+    not fit the card, the rest at once within 90 % of it, a failure beside others run again
+    alone, the lessons beside each one in the report."""
+    from helpers.course.fullscale import LessonFit
+
+    FakeGpu(monkeypatch, [PROFILES["h100"]])
+    fits = [LessonFit(n, "does not fit" if n == "03" else "fits", "", n_gib * G.GiB)
+            for n, n_gib in (("00", 10), ("03", 20), ("05", 30))]  # fmt: skip
+    monkeypatch.setattr(G, "fit_table", lambda scale, card: fits)
+    calls = []
+
+    def fake_run(paths, scale, work, clock, parallel, on_done, device=None, estimate_s=None,
+                 need_bytes=None, capacity=None):  # fmt: skip
+        names = [G.lesson_number(p) for p in paths]
+        calls.append((scale, names, parallel, capacity))
+        for n in names:
+            failed = scale == "full" and parallel > 1 and n == "05"
+            beside = [m for m in names if m != n] if parallel > 1 else []
+            on_done({"lesson": n, "notebook": next(p.name for p in paths if n in p.name),
+                     "scale": scale, "outcome": "failed" if failed else "passed", "seconds": 1.0,
+                     "error": "OutOfMemoryError" if failed else "", "beside": beside,
+                     "claims": {"counts": {}, "not_holding": []}})  # fmt: skip
+
+    monkeypatch.setattr(G, "run_notebooks", fake_run)
+    monkeypatch.setattr(G.os, "cpu_count", lambda: 16)
+    card = PROFILES["h100"].total_memory
+    result = G.GpuCheckResult("now", "cuda:0", "H100", 9.0, card_bytes=card,
+                              environment={"scale": "scale=full on cuda:0: ..."})  # fmt: skip
+    cfg = G.GpuCheckConfig(device="cuda:0", lessons=("00", "03", "05"))
+    run = G._Run(cfg, result, G.Clock(9.0), lambda: None, lambda line: None)
+    G._part_c(run, tmp_path, {})
+    capacity = int(G.CARD_SHARE * card)
+    assert calls == [("tiny", ["03"], 8, None), ("full", ["00", "05"], 8, capacity),
+                     ("full", ["05"], 1, None)]  # fmt: skip
+    outcomes = [(r["lesson"], r["scale"], r["outcome"]) for r in result.lessons]
+    assert outcomes == [
+        ("03", "tiny", "passed"), ("00", "full", "passed"),
+        ("05", "full", "failed beside others"), ("05", "full", "passed"),
+    ]  # fmt: skip
+    assert result.problems == [] and "up to 8 at once within" in result.order
+    text = "\n".join(G._lessons_markdown(result))
+    assert "| 00 | full | passed | 1 | 05 |" in text and "lessons 00, 08, 11, 14" in text
 
 
 def test_the_report_is_written_before_a_later_part_breaks(tmp_path, monkeypatch):
@@ -287,9 +353,10 @@ def test_a_gpu_report_is_summarised_with_its_lessons_and_estimator(tmp_path):
     assert "| 00 / 14 | 08 (full) | 0.990 to 0.990 (1 settings) | 0.900 to 0.900" in text
 
 
-def test_on_a_gpu_part_b_caps_each_setting_and_runs_one_past_its_cap_again_alone(monkeypatch):
+def test_on_a_gpu_part_b_caps_each_setting_and_times_the_capstone_alone(monkeypatch):
     """Part b's GPU branch with fakes: caps from the predicted peaks, the card's share, an
-    out-of-memory under a cap measured again uncapped, NVML left out of the at-once rows."""
+    out-of-memory under a cap measured again uncapped, NVML left out of the at-once rows, then
+    the capstone's recipes timed in one process on a quiet card (part d reads those timings)."""
     from types import SimpleNamespace
 
     from helpers.results import Record
@@ -300,11 +367,21 @@ def test_on_a_gpu_part_b_caps_each_setting_and_runs_one_past_its_cap_again_alone
     peaks = dict(zip(names, (50 * G.GiB, 10 * G.GiB, 5 * G.GiB, 70 * G.GiB, G.GiB), strict=True))
     calls = []
 
-    def isolated(fn, cfg, timeout):
+    def isolated(fn, *args, timeout):
+        if fn is G.measure_speeds:  # the speed phase: every capstone recipe in one process
+            cfgs, flops = args
+            calls.append(("speed", [c.label for c in cfgs], flops))
+            return SimpleNamespace(
+                error=None, value={c.label: {"samples_per_s": 99.0, "nvml_used": 8} for c in cfgs}
+            )
+        (cfg,) = args
         calls.append((cfg.label, cfg.budget))
         if cfg.label == "tight" and cfg.budget:  # past its cap among others
             return SimpleNamespace(error="OutOfMemoryError: over the budget", value=None)
-        return SimpleNamespace(error=None, value=Record(cfg.as_dict(), nvml_used=7))
+        return SimpleNamespace(
+            error=None,
+            value=Record(cfg.as_dict(), nvml_used=7, samples_per_s=1.0, flops_per_step=5),
+        )
 
     monkeypatch.setattr(G, "estimator_settings", lambda device, quick: settings)
     monkeypatch.setattr(G, "estimate_run", lambda cfg: SimpleNamespace(peak=peaks[cfg.label]))
@@ -319,20 +396,51 @@ def test_on_a_gpu_part_b_caps_each_setting_and_runs_one_past_its_cap_again_alone
                  lambda line: None)  # fmt: skip
     records = G._part_b(run)
     cap = {n: int(G.CAP_MARGIN * p + G.CAP_EXTRA) for n, p in peaks.items()}
-    assert sorted(c for c in calls if c[1]) == sorted(
-        (n, cap[n]) for n in ("big", "small", "tight")
+    assert sorted(c for c in calls if c[0] != "speed" and c[1]) == sorted(
+        (n, cap[n]) for n in ("big", "small", "tight", "vanilla")
     )
-    # Alone, uncapped: the capstone's recipe, the one past its cap, the one over the card's
-    # share (107 GiB of 90).
-    assert [c for c in calls if not c[1]] == [("vanilla", None), ("tight", None), ("huge", None)]
+    # Alone, uncapped: the one past its cap, the one over the card's share (107 GiB of 90).
+    assert [c for c in calls if c[0] != "speed" and not c[1]] == [("tight", None), ("huge", None)]
+    assert calls[-1] == ("speed", ["vanilla"], {"vanilla": 5})  # last, its FLOPs from above
     rows = {r["label"]: r for r in result.estimator}
     assert {n: r["phase"] for n, r in rows.items()} == {
         "big": "at once", "small": "at once", "tight": "alone", "huge": "alone",
-        "vanilla": "alone"}  # fmt: skip
-    assert rows["big"]["nvml_used"] is None and rows["vanilla"]["nvml_used"] == 7
-    assert set(records) == set(settings) and result.estimator_most_at_once == 2
+        "vanilla": "at once"}  # fmt: skip
+    assert rows["big"]["nvml_used"] is None and rows["huge"]["nvml_used"] == 7
+    # The capstone's record: the at-once run's bytes, the quiet card's speed and NVML reading.
+    assert records["vanilla"].samples_per_s == 99.0 and records["vanilla"].nvml_used == 8
+    assert records["vanilla"].flops_per_step == 5 and records["big"].samples_per_s == 1.0
+    assert set(records) == set(settings) and result.estimator_most_at_once == 3
+    assert result.speed_phase["labels"] == ["vanilla"] and result.speed_phase["error"] is None
     assert {r["timeout_s"] for r in rows.values()} == {300}  # no throughput measured: the most
     assert "8 settings at once, caps within 90 GiB of the card" in result.estimator_phases
+    assert "then the capstone's 1 recipes timed in turn in one process" in result.estimator_phases
+
+
+def test_a_capstone_recipe_whose_timing_fails_is_failed_for_part_d(monkeypatch):
+    from types import SimpleNamespace
+
+    from helpers.results import Record
+    from helpers.train import RunConfig
+
+    settings = {"vanilla": RunConfig(label="vanilla"), "16-bit": RunConfig(label="16-bit")}
+    records = {label: Record(cfg.as_dict(), samples_per_s=1.0) for label, cfg in settings.items()}
+    value = {"vanilla": {"samples_per_s": 3.0}, "16-bit": {"error": "RuntimeError: boom"}}
+    monkeypatch.setattr(
+        G, "call_isolated", lambda fn, *args, timeout: SimpleNamespace(error=None, value=value)
+    )
+    result = G.GpuCheckResult("now", "cpu", "cpu", 9.0)
+    run = G._Run(G.GpuCheckConfig(device="cpu"), result, G.Clock(9.0), lambda: None,
+                 lambda line: None)  # fmt: skip
+    G._speed_phase(run, settings, records)
+    assert records["vanilla"].samples_per_s == 3.0
+    assert records["16-bit"].error == "timing alone: RuntimeError: boom"
+    # The process itself died: every recipe's timing is missing, said in each record.
+    monkeypatch.setattr(G, "call_isolated", lambda fn, *args, timeout: SimpleNamespace(
+        error="crashed: signal 9", value=None))  # fmt: skip
+    records = {label: Record(cfg.as_dict()) for label, cfg in settings.items()}
+    G._speed_phase(run, settings, records)
+    assert {r.error for r in records.values()} == {"timing alone: crashed: signal 9"}
 
 
 def test_a_setting_is_given_its_predicted_seconds_times_a_margin():

@@ -6,17 +6,28 @@ import json
 
 import pytest
 
-from helpers.course.gpu_plan import DEFAULTS, PlanInputs, earlier_report, plan_parts
+from helpers.course.gpu_plan import (
+    BUILD_S,
+    DEFAULTS,
+    NOTEBOOK_S,
+    SPEED_START_S,
+    PlanInputs,
+    earlier_report,
+    plan_parts,
+)
 
-SETTING_S, RECIPE_S, TINY_LESSON_S = DEFAULTS["full"].values()
+SETTING_S, RECIPE_S, TINY_LESSON_S, STEP_S = DEFAULTS["full"].values()
 
 
 def test_without_an_earlier_report_the_defaults_are_used_and_slots_share_the_work():
-    inputs = PlanInputs(settings=["x", "y", "z", "vanilla"], alone=["vanilla"], slots=3,
-                        recipes=["base", "lora"], tiny=["00", "09"], tiny_at_once=2)  # fmt: skip
+    inputs = PlanInputs(settings=["x", "y", "vanilla"], alone=["y"], slots=2, speed=["vanilla"],
+                        speed_steps=8, recipes=["base", "lora"], tiny=["00", "09"],
+                        tiny_at_once=2)  # fmt: skip
     plan = plan_parts(inputs, left_s=600)
     seconds = {p.part: p.seconds for p in plan.parts}
-    assert seconds == pytest.approx({"b": SETTING_S + SETTING_S, "e": 2 * RECIPE_S,
+    # x and vanilla two at once, y alone, then vanilla timed in one process.
+    speed = SPEED_START_S + BUILD_S + 8 * STEP_S
+    assert seconds == pytest.approx({"b": SETTING_S + SETTING_S + speed, "e": 2 * RECIPE_S,
                                      "c tiny": TINY_LESSON_S})  # fmt: skip
     assert plan.will_not_fit() == [] and plan.summary()[-1].startswith("all fit")
     assert "defaults: no earlier report" in plan.summary()[0]
@@ -25,24 +36,47 @@ def test_without_an_earlier_report_the_defaults_are_used_and_slots_share_the_wor
 def test_an_earlier_report_of_the_card_sets_each_known_label_and_the_median_for_the_rest():
     earlier = {
         "estimator": [{"label": "x", "seconds": 10.0},  # an older report: seconds only
-                      {"label": "vanilla", "seconds": 30.0, "started_s": 5.0, "ended_s": 45.0}],
+                      {"label": "vanilla", "seconds": 30.0, "started_s": 5.0, "ended_s": 45.0,
+                       "step_times": [0.2, 0.1, 0.3]}],
         "recipes": [{"recipe": "base", "seconds": 5.0}],
         "lessons": [{"lesson": "00", "scale": "tiny", "seconds": 20.0},
                     {"lesson": "05", "scale": "tiny", "seconds": 0.0},  # not started
                     {"lesson": "00", "scale": "full", "seconds": 300.0}],
     }  # fmt: skip
     inputs = PlanInputs(settings=["x", "new", "vanilla"], alone=["vanilla"], slots=2,
-                        recipes=["base", "lora"], tiny=["00", "09"], tiny_at_once=1,
-                        full_minutes={"00": 2.0, "09": 1.0}, full_at_once=2,
+                        speed=["vanilla", "16-bit"], speed_steps=10, recipes=["base", "lora"],
+                        tiny=["00", "09"], tiny_at_once=1, full_minutes={"00": 2.0, "09": 1.0},
+                        full_device_minutes={"00": 0.5, "09": 0.5}, full_at_once=2,
                         earlier=earlier)  # fmt: skip
     plan = plan_parts(inputs, left_s=200)
     seconds = {p.part: p.seconds for p in plan.parts}
-    assert seconds["b"] == pytest.approx((10 + 25) / 2 + 40)  # "new": the median, 25 s
+    # "new": the median, 25 s; vanilla's steps 0.2 s (its median), 16-bit's the median, 0.2 s
+    speed = SPEED_START_S + 2 * (BUILD_S + 10 * 0.2)
+    assert seconds["b"] == pytest.approx((10 + 25) / 2 + 40 + speed)
     assert seconds["e"] == pytest.approx(5 + 5) and seconds["c tiny"] == pytest.approx(40)
-    assert seconds["c full"] == pytest.approx((60 * 3.5 + 60 * 2.0) / 2)
-    # 57.5 + 10 + 40 = 107.5 s fit in 200; the full scale's 165 s more do not.
+    # Two at once: the longest lesson (00, 120 s + a kernel's start) is the bound here.
+    assert seconds["c full"] == pytest.approx(120 + NOTEBOOK_S)
+    # 77.5 + 10 + 40 = 127.5 s fit in 200; the full scale's 130 s more do not.
     assert plan.will_not_fit() == ["c full"]
     assert plan.summary()[-1].startswith("will not fit: c full (")
+
+
+@pytest.mark.parametrize(
+    ("device_minutes", "at_once", "expected"),
+    [
+        ({"00": 0.2, "01": 0.2, "02": 0.2}, 3, 60 + NOTEBOOK_S),  # the longest lesson
+        ({"00": 0.2, "01": 0.2, "02": 0.2}, 1, 3 * (60 + NOTEBOOK_S)),  # one at a time
+        ({"00": 0.9, "01": 0.9, "02": 0.9}, 3, 3 * 0.9 * 60),  # the card's work, not shared
+    ],
+)
+def test_the_full_scale_is_bound_by_the_card_the_overlap_or_the_longest_lesson(
+    device_minutes, at_once, expected
+):
+    inputs = PlanInputs(full_minutes=dict.fromkeys(device_minutes, 1.0),
+                        full_device_minutes=device_minutes, full_at_once=at_once)  # fmt: skip
+    (full,) = [p for p in plan_parts(inputs, left_s=600).parts if p.part == "c full"]
+    assert full.seconds == pytest.approx(expected)
+    assert f"3 lessons {at_once} at once" in full.basis
 
 
 def test_the_latest_report_of_the_same_card_is_the_one_read(tmp_path):
@@ -53,3 +87,22 @@ def test_the_latest_report_of_the_same_card_is_the_one_read(tmp_path):
     (tmp_path / "broken.json").write_text("{")
     assert earlier_report(tmp_path, "H200")["estimator"][0]["label"] == "new"
     assert earlier_report(tmp_path, "T4") == {}
+
+
+def test_the_offline_plan_reads_a_committed_report_of_the_h200():
+    """tools/gpu_plan_offline.py: the plan gpu-check would make on the report's card (a fake
+    H200 here), from the report's throughput and seconds."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tools"))
+    from gpu_plan_offline import plan_from_report
+
+    report = json.loads((root / "reports/gpu/2026-11-28-nvidia-h200.json").read_text())
+    lines = plan_from_report(report, deadline_min=9.0, part_a_min=1.5)
+    parts = {line.split(":")[0]: line for line in lines}
+    assert lines[0] == "a: 1.5 min" and lines[-1].startswith("total with part a: ")
+    assert "8 at once" in parts["b"] and "an earlier report of this card" in parts["b"]
+    assert parts["c tiny"].startswith("c tiny: about 0.0 min (0 lessons")  # the H200 holds all
+    assert "18 lessons 8 at once" in parts["c full"]

@@ -10,7 +10,7 @@ import torch
 from helpers.compat import importable
 from helpers.isolate import run
 from helpers.memory import CategoryTracker, memory_budget
-from helpers.train import RunConfig, Trainee, measure
+from helpers.train import RunConfig, Trainee, measure, measure_speeds
 
 ARCHS = ["bert-tiny", "llama-tiny"]  # an encoder (classification) and a decoder (causal LM)
 FP32 = 4
@@ -324,3 +324,20 @@ def test_the_fsdp_tracker_internals_the_course_relies_on_are_still_there():
         assert found == params, f"FSDPMemTracker.{name}{tuple(found)}, the course expects {params}"
     assert {r.value for r in _FSDPRefType} <= FSDP_CATEGORY.keys(), list(_FSDPRefType)
     assert hasattr(_FSDPRefType, "OPT") and hasattr(_FSDPRefType, "TEMP")
+
+
+def test_measure_speeds_times_settings_in_turn_and_keeps_going_past_a_failure():
+    """gpu-check's quiet-card timing: each setting built and timed in one process, a failing
+    one reported in its own entry while the next still runs."""
+    good = RunConfig(model="bert-tiny", batch_size=2, seq_len=16, warmup=1, repeats=3,
+                     label="good")  # fmt: skip
+    bad = RunConfig(model="bert-tiny", batch_size=2, seq_len=16, optimizer="no-such",
+                    label="bad")  # fmt: skip
+    out = measure_speeds([good, bad, RunConfig(**{**good.as_dict(), "label": "again"})],
+                         {"good": 10})  # fmt: skip
+    assert set(out) == {"good", "bad", "again"} and "no-such" in out["bad"]["error"]
+    for label in ("good", "again"):
+        times = out[label]["step_times"]
+        assert len(times) == 3 and all(t > 0 for t in times)
+        assert out[label]["samples_per_s"] == pytest.approx(2 / out[label]["step_time"])
+        assert out[label]["mfu"] is None and out[label]["nvml_used"] is None  # a CPU has neither

@@ -78,8 +78,10 @@ def test_the_table_shows_every_check_and_counts_failures():
         Check("torch.compile", ("12",), "fails", "RuntimeError: no compiler"),
     ]
     result.lesson_minutes = {"00": 1.5, "06": 120.0}
+    result.lesson_device_minutes = {"00": 0.5, "06": 100.0}
     text = format_result(result)
-    for name in ("budget cap", "bf16", "torch.compile", "00 1.5 min", "06 2.0 h"):
+    for name in ("budget cap", "bf16", "torch.compile", "00 1.5 min", "06 2.0 h",
+                 "all lessons: about 2.0 h, 1.7 h of it the card's work"):  # fmt: skip
         assert name in text
     assert result.failed == [result.checks[2]] and "1 of 3 checks fail" in text
 

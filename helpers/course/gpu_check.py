@@ -7,18 +7,22 @@ half-way still leaves what it found. The parts, in order of value:
 a. the environment (card, driver, CUDA, versions against the tested range) and the preflight;
 b. the estimator against the real allocator: settings run each in a fresh process, predicted
    bytes per category next to the tracker's, and the peak next to the allocator's
-   ``max_memory_allocated`` and ``max_memory_reserved`` and NVML, the gaps named. Those that
-   only compare bytes run several at once (``concurrency``, ``helpers.course.schedule``), each
-   capped to its predicted peak with a margin; the capstone's recipes then run alone;
+   ``max_memory_allocated`` and ``max_memory_reserved`` and NVML, the gaps named. They run
+   several at once (``concurrency``, ``helpers.course.schedule``), each capped to its predicted
+   peak with a margin; then the capstone's recipes are timed on a quiet card, in turn in one
+   process (``helpers.train.measure_speeds``: no process, tracked step or FLOP count each);
 d. the capstone's nine recipes, which are among b's runs: samples/s, device memory and MFU next
-   to the guide's V100 table (rendered from b's records, so it costs no extra time);
+   to the guide's V100 table (rendered from b's records and timings);
 e. the recipes (``recipes/*.py``, the plain scripts learners copy) on this device, each in
    its own process, with the settings that drive their GPU-only paths (fp16 with GradScaler,
    8-bit AdamW, the flash SDPA backend, QLoRA, fp8, the CUDA memory snapshot, DDP and FSDP2
    under torchrun with NCCL);
-c. the lessons: every notebook in a fresh kernel at the tiny scale, then at the full scale in
-   an order that puts first the lessons no earlier report covered, as long as time is left.
-   Speed claims are reported, not failing (``COURSE_SPEED_CLAIMS=report``).
+c. the lessons, each notebook in a fresh kernel: on a GPU at the full scale, several at once
+   within the card's memory (each lesson's need from ``helpers.course.fullscale``), in an order
+   that puts first the lessons no earlier report covered, as long as time is left; one that
+   fails beside others runs again alone. The tiny scale runs where the full scale cannot (a
+   lesson that does not fit the card; every lesson on a CPU). Speed claims are reported, not
+   failing (``COURSE_SPEED_CLAIMS=report``); each row names the lessons that ran beside it.
 
 On a CPU the same command is the rehearsal: every part at the tiny scale and a short subset of
 notebooks. ``--quick`` is the version ``make test`` runs, so the command cannot rot.
@@ -43,9 +47,9 @@ from pathlib import Path
 import torch
 
 from helpers import compat
-from helpers.course.fullscale import rough_training_flops
+from helpers.course.fullscale import fit_table, rough_training_flops
 from helpers.course.gpu_plan import PlanInputs, earlier_report, plan_parts
-from helpers.course.preflight import STARTUP_S, format_result, run_preflight
+from helpers.course.preflight import CHECKS, STARTUP_S, format_result, run_preflight
 from helpers.course.schedule import Ran, concurrency, run_at_once
 from helpers.device import cudnn_version, gpu_info, is_cuda, nvml_summary, resolve, tf32_capable
 from helpers.estimator import estimate_run
@@ -60,17 +64,18 @@ from helpers.lessons.putting_it_together import (
 from helpers.names import GiB, MiB, human_bytes
 from helpers.recipes import recipe_names
 from helpers.results import Record
-from helpers.scale import get_scale
+from helpers.scale import fit_scale, get_scale
 from helpers.syllabus import by_gpu_rank
-from helpers.train import RunConfig, measure
+from helpers.train import RunConfig, measure, measure_speeds
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: notebooks/, tools/, reports/
 REPORTS = ROOT / "reports" / "gpu"  # committed reports: where a GPU run writes by default
 CATEGORIES = ("params", "gradients", "optimizer_state", "activations", "temporaries")
 FULL_ORDER = by_gpu_rank()  # full-scale lessons in order of value (helpers/syllabus.py)
 REHEARSAL_LESSONS = ("00", "09")  # on a CPU: a short subset (about half a minute)
-PARALLEL = {"tiny": 3, "full": 2}  # notebooks at once on one GPU (a CPU: ``concurrency``)
-CAPSTONE = {r.label for r in SEED_RECIPES}  # part b measures these alone (part d: their speed)
+CAPSTONE = {r.label for r in SEED_RECIPES}  # part b times these on a quiet card (part d)
+# Lessons that read NVML's whole-device view (the preflight's table): beside others, it mixes them.
+NVML_LESSONS = next(lessons for name, lessons, _, _ in CHECKS if name == "NVML view")
 
 
 @dataclass
@@ -104,6 +109,7 @@ class GpuCheckResult:
     card_bytes: int = 0  # the card's memory (0: not a GPU, or not known)
     estimator_phases: str = ""  # how part b ran: settings at once, then alone
     estimator_most_at_once: int = 0  # the most settings that ran together
+    speed_phase: dict = field(default_factory=dict)  # the capstone timed alone: labels, when
     part_seconds: dict = field(default_factory=dict)  # "a", "b", "e", "c": seconds each took
     plan: list[str] = field(default_factory=list)  # parts b, e, c predicted after part a
     recipes_at_once: int = 1  # part e's recipes side by side
@@ -234,7 +240,7 @@ def estimator_settings(device: str | None, quick: bool = False) -> dict[str, Run
     out[f"{scale.decoder} sdpa {bf16}"] = replace(decoder, precision=bf16)
     out[f"{scale.decoder} LoRA r16 {bf16}"] = replace(decoder, precision=bf16, lora_r=16,
                                                       lora_targets="all-linear")  # fmt: skip
-    if quick:  # two recipes alone, two decoder settings at once: both phases of part b
+    if quick:  # two recipes and two decoder settings: every phase of part b
         return {label: replace(c, label=label) for label, c in out.items()}
     small = max(1, base.batch_size // 4)
     out[f"{traced} sdpa {bf16} (traced)"] = replace(decoder, model=traced, precision=bf16,
@@ -318,11 +324,11 @@ def worst_category(row: dict) -> tuple[str, float] | None:
     return key, ratios[key]
 
 
-# Part b runs in two phases. A setting's bytes are its own process's (the tracker, the
-# allocator's statistics), whatever else runs on the card, so the settings whose rows compare
-# memory only run several at once, each process capped to its predicted peak with a margin;
-# the capstone's recipes, whose speed part d reports, run after them one at a time on a quiet
-# card, with any setting that ran out of its cap or whose peak could not be predicted.
+# Part b runs in phases. A setting's bytes are its own process's (the tracker, the allocator's
+# statistics), whatever else runs on the card, so every setting runs several at once, each
+# process capped to its predicted peak with a margin; any that ran out of its cap or whose peak
+# could not be predicted runs again alone. Then the capstone's recipes, whose speed part d
+# reports, are timed on a quiet card in one process (their bytes are the at-once runs').
 CAP_MARGIN = 1.5  # a concurrent setting's cap: its predicted peak times this, plus CAP_EXTRA
 CAP_EXTRA = 2 * GiB  # the CUDA context, cuBLAS's workspace, the allocator's rounding
 CARD_SHARE = 0.9  # of the card's memory, what the concurrent settings' caps may add up to
@@ -353,18 +359,16 @@ def setting_timeout(run_cfg: RunConfig, flops_per_s: float | None, left: float) 
 
 
 def _part_b(run: _Run) -> dict:
-    """Every setting in a fresh process, memory-only ones several at once (``concurrency``),
-    then the capstone's alone; returns the records by label (part d reads them)."""
+    """Every setting in a fresh process, several at once (``concurrency``), then the capstone's
+    timed on a quiet card (``_speed_phase``); returns the records by label (part d reads them)."""
     cfg, result, clock = run.cfg, run.result, run.clock
     settings = estimator_settings(cfg.device, cfg.quick)
     missing = compat.missing_optional("bitsandbytes")
     if missing and not cfg.quick:
         result.not_reached.append(f"estimator: the two 8-bit AdamW recipes ({missing})")
-    cuda = result.device.startswith("cuda")
-    alone = [label for label in settings if label in CAPSTONE]
-    slots = _slots(result)
+    cuda, alone, slots = result.device.startswith("cuda"), [], _slots(result)
     capacity = int(CARD_SHARE * result.card_bytes) if cuda and result.card_bytes else None
-    result.estimator_phases = _phases(slots, capacity, len(alone))
+    result.estimator_phases = _phases(slots, capacity, len(CAPSTONE & set(settings)))
     records: dict = {}
     caps: dict[str, int] = {}
     timeouts: dict[str, float] = {}
@@ -401,9 +405,9 @@ def _part_b(run: _Run) -> dict:
         run.say(f"[b] {len(result.estimator)}/{len(settings)} {phase} {_estimator_line(row)} "
                 f"({ran.started:.0f}-{ran.ended:.0f} s)")  # fmt: skip
 
-    first = run_at_once([label for label in settings if label not in CAPSTONE],
-                        lambda label: work(label, True), slots, capacity, need, clock.left, 30.0,
-                        lambda ran: done(ran, "at once"), origin=clock.start)  # fmt: skip
+    first = run_at_once(list(settings), lambda label: work(label, True), slots, capacity, need,
+                        clock.left, 30.0, lambda ran: done(ran, "at once"),
+                        origin=clock.start)  # fmt: skip
     result.estimator_most_at_once = first.most_at_once
     alone += list(first.not_started)  # no predicted peak, or over the card's share
     run_at_once(alone, lambda label: work(label, False), 1, left=clock.left, min_left=30.0,
@@ -411,13 +415,40 @@ def _part_b(run: _Run) -> dict:
     not_run = [label for label in settings if label not in records]
     if not_run:
         result.not_reached.append(f"estimator: {', '.join(not_run)} (not measured in time)")
+    _speed_phase(run, {k: c for k, c in settings.items() if k in CAPSTONE}, records)
     return records
 
 
-def _phases(slots: int, capacity: int | None, alone: int) -> str:
+def _speed_phase(run: _Run, settings: dict[str, RunConfig], records: dict) -> None:
+    """The capstone's speed on a quiet card: the recipes measured above, timed in turn in one
+    fresh process (``measure_speeds``); their records take these timings (part d reads them),
+    and one whose timing failed becomes a failed record for part d."""
+    labels = [label for label in settings if label in records and records[label].ok]
+    if not labels:
+        return
+    clock, flops = run.clock, {label: records[label].flops_per_step for label in labels}
+    if clock.left() < 30:
+        run.result.not_reached.append("capstone speed: no time left to time the recipes")
+        return
+    start = clock.spent()
+    out = call_isolated(measure_speeds, [settings[label] for label in labels], flops,
+                        timeout=min(300.0, clock.left() - 10))  # fmt: skip
+    for label in labels:
+        got = out.value.get(label, {}) if out.error is None else {"error": out.error}
+        if "error" in got:
+            records[label] = _failed_record(settings[label], f"timing alone: {got['error']}")
+        else:
+            records[label] = replace(records[label], **got)
+    run.result.speed_phase = {"labels": labels, "started_s": round(start, 1),
+                              "ended_s": round(clock.spent(), 1), "error": out.error}  # fmt: skip
+    run.say(f"[b] capstone timed alone: {len(labels)} recipes in one process, "
+            f"{clock.spent() - start:.0f} s {out.error or ''}".rstrip())  # fmt: skip
+
+
+def _phases(slots: int, capacity: int | None, timed: int) -> str:
     """How part b runs, for the report."""
     shared = f", caps within {human_bytes(capacity)} of the card" if capacity else ""
-    quiet = f"then {alone} capstone recipes alone (speed: a quiet card)"
+    quiet = f"then the capstone's {timed} recipes timed in turn in one process (a quiet card)"
     return f"{slots} settings at once{shared}; {quiet}"
 
 
@@ -597,6 +628,8 @@ class _Running:
     started: float
     claims: Path
     out_dir: Path
+    need: int = 0  # the card's bytes it was admitted with
+    beside: set[str] = field(default_factory=set)  # the lessons that ran beside it
 
 
 def _launch(path: Path, scale: str, work: Path, device: str | None) -> _Running:
@@ -656,7 +689,7 @@ def _finish(run: _Running, killed: bool) -> dict:
         error = notebook_error(executed) or _log_tail(run.out_dir / f"{run.path.stem}.log")
     return {"lesson": lesson_number(run.path), "notebook": run.path.name, "scale": run.scale,
             "outcome": outcome, "seconds": round(seconds, 1), "error": error,
-            "claims": claims_summary(run.claims)}  # fmt: skip
+            "claims": claims_summary(run.claims), "beside": sorted(run.beside)}  # fmt: skip
 
 
 def _log_tail(path: Path, lines: int = 3) -> str:
@@ -674,22 +707,40 @@ def _stop(run: _Running) -> None:
 
 def run_notebooks(
     paths: list[Path], scale: str, work: Path, clock: Clock, parallel: int, on_done,
-    device: str | None = None, estimate_s=None,
+    device: str | None = None, estimate_s=None, need_bytes=None, capacity: int | None = None,
 ) -> None:  # fmt: skip
     """Execute ``paths`` at ``scale``, ``parallel`` at a time, until the deadline.
 
-    ``on_done(row)`` receives each notebook's outcome as it ends. ``estimate_s(path)``, if
-    given, is a notebook's expected seconds: one is not started when fewer are left.
+    ``on_done(row)`` receives each notebook's outcome as it ends; the row names the lessons
+    that ran beside it. ``estimate_s(path)``, if given, is a notebook's expected seconds: one
+    is not started when fewer are left. With ``capacity``, the notebooks running together also
+    keep their ``need_bytes(path)`` within that many bytes of the card: one waits for bytes while
+    a later, smaller one may go ahead.
     """
     queue, running = list(paths), []
     while queue or running:
-        while queue and len(running) < parallel:
-            need = estimate_s(queue[0]) if estimate_s else 30.0
+        for path in list(queue):
+            if len(running) >= parallel:
+                break
+            need = estimate_s(path) if estimate_s else 30.0
             if clock.left() < need:
-                path = queue.pop(0)
+                queue.remove(path)
                 on_done(_not_started(path, scale, need, clock.left()))
                 continue
-            running.append(_launch(queue.pop(0), scale, work, device))
+            nbytes = need_bytes(path) if need_bytes else 0
+            if (
+                capacity is not None
+                and running
+                and sum(r.need for r in running) + nbytes > capacity
+            ):
+                continue  # waits for bytes
+            queue.remove(path)
+            new = _launch(path, scale, work, device)
+            new.need = nbytes
+            for other in running:
+                other.beside.add(lesson_number(path))
+                new.beside.add(lesson_number(other.path))
+            running.append(new)
         time.sleep(0.5)
         for run in list(running):
             over = clock.left() <= 0
@@ -740,7 +791,8 @@ def full_order(paths: list[Path], covered: set[str]) -> tuple[list[Path], str]:
 
 
 def _part_c(run: _Run, work: Path, minutes: dict[str, float]) -> None:
-    """Every notebook at the tiny scale, then the full scale (on a GPU) while time is left."""
+    """The lessons: on a GPU at the full scale several at once, the tiny scale where the full
+    scale cannot run (a lesson that does not fit the card; on a CPU, every lesson asked for)."""
     cfg, result, clock = run.cfg, run.result, run.clock
     missing = [m for m in ("nbclient", "ipykernel") if not compat.importable(m)]
     if missing:
@@ -755,26 +807,62 @@ def _part_c(run: _Run, work: Path, minutes: dict[str, float]) -> None:
     def done(row: dict) -> None:
         result.lessons.append(row)
         run.write()
+        beside = f" beside {' '.join(row['beside'])}" if row.get("beside") else ""
         run.say(f"[c] lesson {row['lesson']} ({row['scale']}): {row['outcome']} in "
-                f"{row['seconds']:.0f} s {row['error']}".rstrip())  # fmt: skip
+                f"{row['seconds']:.0f} s{beside} {row['error']}".rstrip())  # fmt: skip
 
-    paths = _tiny_paths(cfg, on_gpu)
-    at_once = PARALLEL["tiny"] if on_gpu else _slots(result)
-    run_notebooks(paths, "tiny", work, clock, at_once, done, cfg.device)
-    if not on_gpu or "scale=full" not in result.environment.get("scale", ""):
+    tiny, full, fits = _lesson_split(cfg, result)
+    slots = _slots(result)
+    run_notebooks(tiny, "tiny", work, clock, slots, done, cfg.device)
+    if not full:
         why = "the scale here is tiny ($COURSE_SCALE, or a card too small for the full scale)"
         result.order = (
             f"tiny scale only: {'the full scale runs on a CUDA GPU' if not on_gpu else why}"
         )
         run.write()
         return
-    ordered, result.order = full_order(paths, covered_earlier(REPORTS))
+    ordered, result.order = full_order(full, covered_earlier(REPORTS))
+    capacity = int(CARD_SHARE * result.card_bytes) if result.card_bytes else None
+    result.order += f"; up to {slots} at once" + (
+        f" within {human_bytes(capacity)} of the card" if capacity else ""
+    )
     run.write()
 
     def need(path: Path) -> float:  # the preflight's FLOP-based minutes, with margin
         return 60 * (1.5 * minutes.get(lesson_number(path), 1.0) + 0.5)
 
-    run_notebooks(ordered, "full", work, clock, PARALLEL["full"], done, cfg.device, need)
+    def need_bytes(path: Path) -> int:  # what the lesson has on the card at its peak
+        fit = fits.get(lesson_number(path))
+        return fit.need if fit is not None else 0
+
+    again: list[Path] = []  # failed beside others: run again alone
+
+    def done_full(row: dict) -> None:
+        if row["outcome"] == "failed" and row["beside"]:
+            row["outcome"] = "failed beside others"
+            row["error"] += "; runs again alone"
+            again.extend(p for p in ordered if p.name == row["notebook"])
+        done(row)
+
+    run_notebooks(ordered, "full", work, clock, slots, done_full, cfg.device, need, need_bytes,
+                  capacity)  # fmt: skip
+    run_notebooks(again, "full", work, clock, 1, done, cfg.device, need)
+
+
+def _lesson_split(cfg: GpuCheckConfig, result: GpuCheckResult):
+    """Part c's notebooks: (at the tiny scale, at the full scale, each lesson's fit on the card
+    by number). On a GPU that runs the full scale, the tiny scale is for the lessons that do
+    not fit it (``fullscale.fit_table``); elsewhere every notebook is at the tiny scale."""
+    on_gpu = result.device.startswith("cuda")
+    paths = _lesson_paths(cfg, on_gpu)
+    if not (on_gpu and "scale=full" in result.environment.get("scale", "")):
+        return paths, [], {}
+    card = gpu_info(resolve(cfg.device))
+    fits = {row.lesson: row for row in fit_table(fit_scale(card), card)}
+    small = [
+        p for p in paths if getattr(fits.get(lesson_number(p)), "status", "") == "does not fit"
+    ]
+    return small, [p for p in paths if p not in small], fits
 
 
 # --------------------------------------------------------------------------------------------
@@ -822,7 +910,7 @@ def run_gpu_check(
     with _timed_part(result, "a", clock):
         preflight = _part_a(run)
     run.flops_per_s = preflight.flops_per_s
-    plan = plan_parts(_plan_inputs(run, preflight.lesson_minutes), clock.left())
+    plan = plan_parts(_plan_inputs(run, preflight), clock.left())
     result.plan = plan.summary()
     write()
     say("[plan] " + "; ".join(result.plan))
@@ -839,21 +927,23 @@ def run_gpu_check(
     return result, paths[0]
 
 
-def _plan_inputs(run: _Run, lesson_minutes: dict[str, float]) -> PlanInputs:
+def _plan_inputs(run: _Run, preflight) -> PlanInputs:
     """What parts b, e and c will run here, for ``helpers.course.gpu_plan``."""
     cfg, result = run.cfg, run.result
     on_gpu = result.device.startswith("cuda")
-    settings = list(estimator_settings(cfg.device, cfg.quick))
-    tiny = [lesson_number(p) for p in _tiny_paths(cfg, on_gpu)]
-    full = on_gpu and "scale=full" in result.environment.get("scale", "")
+    settings = estimator_settings(cfg.device, cfg.quick)
+    timed = [label for label in settings if label in CAPSTONE]
+    steps = max((max(1, c.warmup) + 1 + c.repeats for c in settings.values()), default=8)
+    tiny, full, _ = _lesson_split(cfg, result)
+    full = [lesson_number(p) for p in full]
     slots = _slots(result)
     return PlanInputs(
-        settings=settings, alone=[s for s in settings if s in CAPSTONE], slots=slots,
+        settings=list(settings), slots=slots, speed=timed, speed_steps=steps,
         recipes=[label for label, _ in recipe_runs(cfg.device or "cpu", cfg.quick)],
-        recipes_at_once=slots, tiny=tiny, tiny_at_once=PARALLEL["tiny"] if on_gpu else slots,
-        full_minutes={n: lesson_minutes.get(n, 1.0) for n in tiny} if full else {},
-        full_at_once=PARALLEL["full"],
-        earlier=earlier_report(REPORTS, result.card) if on_gpu else {},
+        recipes_at_once=slots, tiny=[lesson_number(p) for p in tiny], tiny_at_once=slots,
+        full_minutes={n: preflight.lesson_minutes.get(n, 1.0) for n in full},
+        full_device_minutes={n: preflight.lesson_device_minutes.get(n, 0.0) for n in full},
+        full_at_once=slots, earlier=earlier_report(REPORTS, result.card) if on_gpu else {},
         scale="full" if full else "tiny",
     )  # fmt: skip
 
@@ -863,9 +953,9 @@ def _slots(result: GpuCheckResult) -> int:
     return concurrency("cuda" if result.device.startswith("cuda") else "cpu")
 
 
-def _tiny_paths(cfg: GpuCheckConfig, on_gpu: bool) -> list[Path]:
-    """The notebooks part c runs at the tiny scale: those asked for, else every lesson on a
-    GPU and the rehearsal's short subset elsewhere."""
+def _lesson_paths(cfg: GpuCheckConfig, on_gpu: bool) -> list[Path]:
+    """The notebooks part c runs: those asked for, else every lesson on a GPU and the
+    rehearsal's short subset elsewhere."""
     return notebook_paths(cfg.lessons if cfg.lessons is not None else
                           None if on_gpu else REHEARSAL_LESSONS)  # fmt: skip
 
@@ -977,6 +1067,11 @@ def _estimator_markdown(result: GpuCheckResult) -> list[str]:
             "NVML sees the whole card, every process on it.",
             "",
         ]
+    if result.speed_phase:
+        sp = result.speed_phase
+        lines += [f"The capstone's {len(sp['labels'])} recipes were then timed in one process on "
+                  f"a quiet card, {sp['started_s']:.0f}-{sp['ended_s']:.0f} s"
+                  f"{': ' + sp['error'] if sp.get('error') else ''} (part d).", ""]  # fmt: skip
     header = ["setting", "ran", "path", "predicted", "tracked", "pred/tracked", "worst category",
               "allocated", "alloc-tracked", "reserved", "reserved-alloc", "NVML",
               "NVML-reserved"]  # fmt: skip
@@ -1018,9 +1113,11 @@ def _capstone_markdown(result: GpuCheckResult) -> list[str]:
         "## d. The capstone's recipes next to the guide's V100 table",
         "",
         "The nine recipes of the v4.30 single-GPU guide (bert-large, sequence 512, batch 4 at "
-        "the full scale), from part b's runs. Memory is NVML's device memory where there is "
-        "one (as the guide's nvidia-smi), else the tracked peak; ratios are to each side's "
-        "vanilla run. Source: https://huggingface.co/docs/transformers/v4.30.0/en/perf_train_gpu_one",
+        "the full scale), from part b: samples/s and MFU timed on a quiet card, the recipes in "
+        "turn in one process after the settings that ran at once. Memory is NVML's device "
+        "memory after those timed steps where there is one (as the guide's nvidia-smi), else "
+        "the tracked peak; ratios are to each side's vanilla run. Source: "
+        "https://huggingface.co/docs/transformers/v4.30.0/en/perf_train_gpu_one",
         "",
     ]
     header = ["recipe", "samples/s", "memory MiB", "speed ratio", "memory ratio", "MFU",
@@ -1040,12 +1137,18 @@ def _lessons_markdown(result: GpuCheckResult) -> list[str]:
     lines = ["## c. The lessons", ""]
     if result.order:
         lines += [f"Order: {result.order}.", ""]
-    header = ["lesson", "scale", "outcome", "seconds", "speed claims", "error or note"]
+    if any(r.get("beside") for r in result.lessons):
+        lines += ["*Beside*: the lessons that ran on the card at the same time. Their bytes are "
+                  "each process's own; NVML's whole-device figures (lessons "
+                  f"{', '.join(NVML_LESSONS)}) and the speed claims are a shared card's (the "
+                  "claims compare contenders timed in the same rounds).", ""]  # fmt: skip
+    header = ["lesson", "scale", "outcome", "seconds", "beside", "speed claims", "error or note"]
     rows = []
     for r in result.lessons:
         counts = r["claims"]["counts"]
         claims = ", ".join(f"{n} {verdict}" for verdict, n in sorted(counts.items()))
-        rows.append([r["lesson"], r["scale"], r["outcome"], f"{r['seconds']:.0f}", claims,
+        rows.append([r["lesson"], r["scale"], r["outcome"], f"{r['seconds']:.0f}",
+                     " ".join(r.get("beside", [])), claims,
                      r["error"].replace("|", "/")])  # fmt: skip
     lines += [*_table(header, rows), ""]
     odd = [(r["lesson"], r["scale"], c) for r in result.lessons for c in r["claims"]["not_holding"]]

@@ -74,6 +74,9 @@ class PreflightResult:
     checks: list[Check] = field(default_factory=list)
     flops_per_s: float | None = None  # measured training throughput (fp32)
     lesson_minutes: dict[str, float] = field(default_factory=dict)
+    # of each lesson's minutes, the card's work: training FLOPs / the throughput (the rest is
+    # STARTUP_S per experiment, which processes side by side overlap and the card's work not)
+    lesson_device_minutes: dict[str, float] = field(default_factory=dict)
 
     @property
     def failed(self) -> list[Check]:
@@ -413,11 +416,24 @@ def run_preflight(
         scale, card = fit_scale(dev.gpu_info(d)), dev.gpu_info(d)
     else:  # what the full scale would take on this CPU
         scale, card = FULL, dev.GpuInfo(report.name, 0, (0, 0), 0, "")
-    experiments = lesson_experiments(scale, card) if scale.name == "full" else []
-    for x in experiments:
-        seconds = x.flops / result.flops_per_s + STARTUP_S
-        result.lesson_minutes[x.lesson] = result.lesson_minutes.get(x.lesson, 0.0) + seconds / 60
+    if scale.name == "full":
+        result.lesson_minutes, result.lesson_device_minutes = lesson_minutes(
+            scale, card, result.flops_per_s
+        )
     return result
+
+
+def lesson_minutes(scale, card, flops_per_s: float) -> tuple[dict, dict]:
+    """Rough minutes per lesson at ``scale`` on ``card`` (``fullscale.lesson_experiments``),
+    and of those the card's work: each experiment's training FLOPs over ``flops_per_s``, plus
+    ``STARTUP_S`` for its process, its model and its first steps."""
+    minutes: dict[str, float] = {}
+    device: dict[str, float] = {}
+    for x in lesson_experiments(scale, card):
+        device_s = x.flops / flops_per_s
+        minutes[x.lesson] = minutes.get(x.lesson, 0.0) + (device_s + STARTUP_S) / 60
+        device[x.lesson] = device.get(x.lesson, 0.0) + device_s / 60
+    return minutes, device
 
 
 def _skipped(check: Check, device: torch.device) -> bool:
@@ -456,7 +472,13 @@ def format_result(result: PreflightResult) -> str:
         lines.append(
             "  " + ", ".join(f"{k} {_minutes(v)}" for k, v in result.lesson_minutes.items())
         )
-        lines.append(f"  all lessons: about {_minutes(sum(result.lesson_minutes.values()))}")
+        total, card = (
+            sum(result.lesson_minutes.values()),
+            sum(result.lesson_device_minutes.values()),
+        )
+        lines.append(
+            f"  all lessons: about {_minutes(total)}, {_minutes(card)} of it the card's work"
+        )
     failed = result.failed
     lines.append("")
     lines.append(
