@@ -517,18 +517,19 @@ def _measure(cfg: RunConfig) -> Record:
     )
 
 
-def measure_speeds(configs: list[RunConfig], flops: dict[str, int | None]) -> dict[str, dict]:
+def measure_speeds(configs: list[RunConfig]) -> dict[str, dict]:
     """Speed only, several settings in turn in this one process: each built, stepped (its
-    warmup, one untimed step, ``repeats`` timed), read by NVML, freed before the next.
+    warmup, one untimed step, ``repeats`` timed), read by NVML, its FLOPs counted over one
+    more step where ``cfg.flops``, freed before the next.
 
     ``measure`` in a fresh process per setting gives the bytes; this is the quiet-card timing
-    of settings whose bytes are measured elsewhere (gpu-check's capstone), without a process,
-    a tracked step and a FLOP count each. ``flops`` is each label's counted FLOPs per step
-    (``Record.flops_per_step``), for MFU.
+    of settings whose bytes are measured elsewhere (gpu-check's capstone), without a process
+    and a tracked step each.
 
     Returns:
-        Per label the ``Record`` fields it measured (step times, samples/s, tokens/s, MFU,
-        HFU, NVML), or ``{"error": ...}`` for a setting that failed; the others still run.
+        Per label the ``Record`` fields it measured (step times, samples/s, tokens/s, FLOPs
+        per step, MFU, HFU, NVML), or ``{"error": ...}`` for a setting that failed; the
+        others still run.
     """
     out: dict[str, dict] = {}
     for cfg in configs:
@@ -538,17 +539,19 @@ def measure_speeds(configs: list[RunConfig], flops: dict[str, int | None]) -> di
             for _ in range(max(1, cfg.warmup)):
                 trainee.step()
             timing = time_fn(trainee.step, trainee.device, warmup=1, repeats=cfg.repeats)
+            nvml = nvml_used_bytes(trainee.device)  # after the timed steps, as in measure
             report, samples = hardware_report(trainee.device), cfg.batch_size * cfg.grad_accum
+            flops = train_flops(trainee.step) if cfg.flops else None
             util = (None, None)
             if trainee.device.type == "cuda":
-                util = flops_utilisation(flops.get(cfg.label), timing.median, report.name,
-                                         cfg.precision, report.multiprocessors,
+                util = flops_utilisation(flops, timing.median, report.name, cfg.precision,
+                                         report.multiprocessors,
                                          recomputes=cfg.gradient_checkpointing)  # fmt: skip
             out[cfg.label] = {
                 "step_time": timing.median, "step_times": timing.times,
                 "samples_per_s": samples / timing.median,
                 "tokens_per_s": samples * cfg.seq_len / timing.median,
-                "mfu": util[0], "hfu": util[1], "nvml_used": nvml_used_bytes(trainee.device),
+                "flops_per_step": flops, "mfu": util[0], "hfu": util[1], "nvml_used": nvml,
             }  # fmt: skip
         except Exception as err:  # one setting's failure is its row's, never the others'
             out[cfg.label] = {"error": f"{type(err).__name__}: {err}".splitlines()[0]}

@@ -4,9 +4,7 @@ gets. The quick run here is the version ``make test`` runs so the command cannot
 
 from __future__ import annotations
 
-import itertools
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -49,31 +47,32 @@ def test_the_quick_run_writes_every_part_of_the_report(quick_run):
         assert heading in text, heading
     data = json.loads(md.with_suffix(".json").read_text())
     assert data["finished"] and data["device"] == "cpu"
-    assert list(data["part_seconds"]) == ["a", "b", "e", "c"]  # minutes per part, in the text
-    # The plan, made after part a: parts b, e and the tiny lessons, then whether they fit.
-    assert [line.split(":")[0] for line in data["plan"][:3]] == ["b", "e", "c tiny"]
+    assert set(data["part_seconds"]) == {"a", "d", "b", "e", "c", "alone"}  # in the text
+    # The plan, made after part a: d first, then b, e and the tiny lessons side by side.
+    assert [line.split(":")[0] for line in data["plan"][:4]] == ["d", "b", "e", "c tiny"]
     assert data["plan"][-1].startswith(("all fit", "will not fit")) and "### Plan" in text
-    assert f" (a {data['part_seconds']['a'] / 60:.1f}, b " in text
+    assert f" (a {data['part_seconds']['a'] / 60:.1f}, d " in text
     assert "torch" in data["environment"] and data["packages"]
     assert "budget cap" in data["preflight"] and "no check fails" in data["preflight"]
     rows = {r["label"]: r for r in data["estimator"]}
-    # Part b's phases: every setting side by side, then the capstone's timed in one process.
+    # The capstone timed first, in one process; then every setting, beside parts e and c.
     together = [r for r in data["estimator"] if r["phase"] == "at once"]
     assert len(together) == 4, data["estimator"]
     speed = data["speed_phase"]
     assert speed["labels"] == ["vanilla", "16-bit"] and speed["error"] is None
-    assert speed["started_s"] >= max(t["ended_s"] for t in together)
-    if G.concurrency("cpu", os.cpu_count() or 1) > 1:  # the timestamps overlap
-        spans = sorted((r["started_s"], r["ended_s"]) for r in together)
-        assert any(b[0] < a[1] for a, b in itertools.pairwise(spans))
-        assert data["estimator_most_at_once"] == 2
+    assert speed["ended_s"] <= min(t["started_s"] for t in together)
+    spans = {part: [(r["started_s"], r["ended_s"]) for r in data[key]]
+             for part, key in (("b", "estimator"), ("e", "recipes"), ("c", "lessons"))}  # fmt: skip
+    overlap = any(x0 < y1 and y0 < x1 for x0, x1 in spans["b"] for y0, y1 in spans["c"])
+    assert overlap, spans  # parts b and c ran at the same time (their timestamps overlap)
+    assert "Side by side: b, e and c at once with 1, 1 and 1 slots." in text
     for label in ("vanilla", "16-bit"):  # on the CPU the estimator is exact for the encoder
         row = rows[label]
         assert row["predicted"]["peak"] == pytest.approx(row["tracked"]["peak"], rel=0.02)
     for row in together:  # and within its bound for the decoder, LoRA included
         assert row["predicted"]["peak"] == pytest.approx(row["tracked"]["peak"], rel=0.10)
     assert all(row["max_allocated"] is None for row in rows.values())  # no caching allocator
-    assert f"How they ran: {G.concurrency('cpu', os.cpu_count() or 1)} settings at once" in text
+    assert "How they ran: 1 settings at once, beside parts e and c" in text
     assert [r["recipe"] for r in data["capstone"] if r["status"] == "ok"] == ["vanilla", "16-bit"]
     # The base recipe ran as a plain script on this device and printed its throughput.
     assert [(r["recipe"], r["outcome"]) for r in data["recipes"]] == [("base", "passed")]
@@ -130,13 +129,15 @@ def test_notebooks_at_once_keep_within_the_cards_bytes_and_name_who_ran_beside(t
     nbs = [_notebook(tmp_path / f"{n}.ipynb", f"import time\ntime.sleep({t})")
            for n, t in seconds.items()]  # fmt: skip
     need = {"a": 6, "b": 5, "c": 4}
-    rows = []
+    rows, ledger = [], G.Ledger(10)
     G.run_notebooks(nbs, "tiny", tmp_path / "work", G.Clock(2), 3, rows.append, "cpu",
                     estimate_s=lambda path: 1.0, need_bytes=lambda path: need[path.stem],
-                    capacity=10)  # fmt: skip
+                    ledger=ledger)  # fmt: skip
     beside = {r["lesson"]: r["beside"] for r in rows}
     assert all(r["outcome"] == "passed" for r in rows), rows
-    assert beside == {"a": ["c"], "b": ["c"], "c": ["a", "b"]}
+    assert beside == {"a": ["c"], "b": ["c"], "c": ["a", "b"]} and ledger.held == 0
+    span = {r["lesson"]: (r["started_s"], r["ended_s"]) for r in rows}
+    assert span["b"][0] >= span["a"][1] - 0.6 and span["b"][0] < span["c"][1]  # polled each 0.5 s
 
 
 def test_on_a_gpu_the_full_scale_runs_at_once_and_a_lesson_failing_beside_others_again_alone(
@@ -154,34 +155,33 @@ def test_on_a_gpu_the_full_scale_runs_at_once_and_a_lesson_failing_beside_others
     calls = []
 
     def fake_run(paths, scale, work, clock, parallel, on_done, device=None, estimate_s=None,
-                 need_bytes=None, capacity=None):  # fmt: skip
+                 need_bytes=None, ledger=None):  # fmt: skip
         names = [G.lesson_number(p) for p in paths]
-        calls.append((scale, names, parallel, capacity))
+        calls.append((scale, names, parallel, ledger is not None))
         for n in names:
-            failed = scale == "full" and parallel > 1 and n == "05"
-            beside = [m for m in names if m != n] if parallel > 1 else []
+            failed = scale == "full" and ledger is not None and n == "05"
+            beside = [m for m in names if m != n] if ledger is not None else []
             on_done({"lesson": n, "notebook": next(p.name for p in paths if n in p.name),
                      "scale": scale, "outcome": "failed" if failed else "passed", "seconds": 1.0,
                      "error": "OutOfMemoryError" if failed else "", "beside": beside,
                      "claims": {"counts": {}, "not_holding": []}})  # fmt: skip
 
     monkeypatch.setattr(G, "run_notebooks", fake_run)
-    monkeypatch.setattr(G.os, "cpu_count", lambda: 16)
     card = PROFILES["h100"].total_memory
     result = G.GpuCheckResult("now", "cuda:0", "H100", 9.0, card_bytes=card,
                               environment={"scale": "scale=full on cuda:0: ..."})  # fmt: skip
     cfg = G.GpuCheckConfig(device="cuda:0", lessons=("00", "03", "05"))
-    run = G._Run(cfg, result, G.Clock(9.0), lambda: None, lambda line: None)
-    G._part_c(run, tmp_path, {})
-    capacity = int(G.CARD_SHARE * card)
-    assert calls == [("tiny", ["03"], 8, None), ("full", ["00", "05"], 8, capacity),
-                     ("full", ["05"], 1, None)]  # fmt: skip
+    run = G._Run(cfg, result, G.Clock(9.0), lambda: None, lambda line: None, shares={"c": 4})
+    again = G._part_c(run, tmp_path, {}, G.Ledger(int(G.CARD_SHARE * card)))
+    G._part_c_alone(run, tmp_path, {}, again)
+    assert calls == [("tiny", ["03"], 4, True), ("full", ["00", "05"], 4, True),
+                     ("full", ["05"], 1, False)]  # fmt: skip
     outcomes = [(r["lesson"], r["scale"], r["outcome"]) for r in result.lessons]
     assert outcomes == [
         ("03", "tiny", "passed"), ("00", "full", "passed"),
         ("05", "full", "failed beside others"), ("05", "full", "passed"),
     ]  # fmt: skip
-    assert result.problems == [] and "up to 8 at once within" in result.order
+    assert result.problems == [] and "up to 4 at once within" in result.order
     text = "\n".join(G._lessons_markdown(result))
     assert "| 00 | full | passed | 1 | 05 |" in text and "lessons 00, 08, 11, 14" in text
 
@@ -353,12 +353,13 @@ def test_a_gpu_report_is_summarised_with_its_lessons_and_estimator(tmp_path):
     assert "| 00 / 14 | 08 (full) | 0.990 to 0.990 (1 settings) | 0.900 to 0.900" in text
 
 
-def test_on_a_gpu_part_b_caps_each_setting_and_times_the_capstone_alone(monkeypatch):
-    """Part b's GPU branch with fakes: caps from the predicted peaks, the card's share, an
-    out-of-memory under a cap measured again uncapped, NVML left out of the at-once rows, then
-    the capstone's recipes timed in one process on a quiet card (part d reads those timings)."""
+def test_on_a_gpu_part_b_caps_each_setting_and_runs_one_past_its_cap_again_alone(monkeypatch):
+    """Part b's GPU branch with fakes: caps from the predicted peaks held in the card's ledger
+    (shared with parts e and c), an out-of-memory under a cap measured again uncapped once the
+    others are done, NVML left out of the at-once rows, the capstone's FLOP count skipped."""
     from types import SimpleNamespace
 
+    from helpers.course.schedule import Ledger
     from helpers.results import Record
     from helpers.train import RunConfig
 
@@ -367,57 +368,47 @@ def test_on_a_gpu_part_b_caps_each_setting_and_times_the_capstone_alone(monkeypa
     peaks = dict(zip(names, (50 * G.GiB, 10 * G.GiB, 5 * G.GiB, 70 * G.GiB, G.GiB), strict=True))
     calls = []
 
-    def isolated(fn, *args, timeout):
-        if fn is G.measure_speeds:  # the speed phase: every capstone recipe in one process
-            cfgs, flops = args
-            calls.append(("speed", [c.label for c in cfgs], flops))
-            return SimpleNamespace(
-                error=None, value={c.label: {"samples_per_s": 99.0, "nvml_used": 8} for c in cfgs}
-            )
-        (cfg,) = args
-        calls.append((cfg.label, cfg.budget))
+    def isolated(fn, cfg, timeout):
+        calls.append((cfg.label, cfg.budget, cfg.flops))
         if cfg.label == "tight" and cfg.budget:  # past its cap among others
             return SimpleNamespace(error="OutOfMemoryError: over the budget", value=None)
-        return SimpleNamespace(
-            error=None,
-            value=Record(cfg.as_dict(), nvml_used=7, samples_per_s=1.0, flops_per_step=5),
-        )
+        return SimpleNamespace(error=None, value=Record(cfg.as_dict(), nvml_used=7))
 
-    monkeypatch.setattr(G, "estimator_settings", lambda device, quick: settings)
     monkeypatch.setattr(G, "estimate_run", lambda cfg: SimpleNamespace(peak=peaks[cfg.label]))
     monkeypatch.setattr(G, "call_isolated", isolated)
     peak = {"peak": 1, "max_allocated": None}
     monkeypatch.setattr(G, "estimator_row", lambda label, cfg, record: {
         "label": label, "predicted": peak, "tracked": peak, "max_allocated": None,
         "nvml_used": record.nvml_used, "nvml_minus_reserved": 1})  # fmt: skip
-    monkeypatch.setattr(G.os, "cpu_count", lambda: 16)
     result = G.GpuCheckResult("now", "cuda:0", "a card", 9.0, card_bytes=100 * G.GiB)
     run = G._Run(G.GpuCheckConfig(device="cuda:0"), result, G.Clock(9.0), lambda: None,
-                 lambda line: None)  # fmt: skip
-    records = G._part_b(run)
+                 lambda line: None, shares={"b": 8})  # fmt: skip
+    ledger = Ledger(90 * G.GiB)
+    part = G._part_b(run, settings, ledger)
+    assert ledger.held == 0  # every cap given back
+    records = G._part_b_alone(part)
     cap = {n: int(G.CAP_MARGIN * p + G.CAP_EXTRA) for n, p in peaks.items()}
-    assert sorted(c for c in calls if c[0] != "speed" and c[1]) == sorted(
+    assert sorted(c[:2] for c in calls if c[1]) == sorted(
         (n, cap[n]) for n in ("big", "small", "tight", "vanilla")
     )
     # Alone, uncapped: the one past its cap, the one over the card's share (107 GiB of 90).
-    assert [c for c in calls if c[0] != "speed" and not c[1]] == [("tight", None), ("huge", None)]
-    assert calls[-1] == ("speed", ["vanilla"], {"vanilla": 5})  # last, its FLOPs from above
+    assert [c[:2] for c in calls if not c[1]] == [("tight", None), ("huge", None)]
+    assert {c[2] for c in calls if c[0] == "vanilla"} == {False}  # counted in the speed phase
     rows = {r["label"]: r for r in result.estimator}
     assert {n: r["phase"] for n, r in rows.items()} == {
         "big": "at once", "small": "at once", "tight": "alone", "huge": "alone",
         "vanilla": "at once"}  # fmt: skip
     assert rows["big"]["nvml_used"] is None and rows["huge"]["nvml_used"] == 7
-    # The capstone's record: the at-once run's bytes, the quiet card's speed and NVML reading.
-    assert records["vanilla"].samples_per_s == 99.0 and records["vanilla"].nvml_used == 8
-    assert records["vanilla"].flops_per_step == 5 and records["big"].samples_per_s == 1.0
     assert set(records) == set(settings) and result.estimator_most_at_once == 3
-    assert result.speed_phase["labels"] == ["vanilla"] and result.speed_phase["error"] is None
     assert {r["timeout_s"] for r in rows.values()} == {300}  # no throughput measured: the most
-    assert "8 settings at once, caps within 90 GiB of the card" in result.estimator_phases
-    assert "then the capstone's 1 recipes timed in turn in one process" in result.estimator_phases
+    assert result.estimator_phases == (
+        "8 settings at once, caps within 90 GiB of the card, beside parts e and c"
+    )
 
 
-def test_a_capstone_recipe_whose_timing_fails_is_failed_for_part_d(monkeypatch):
+def test_the_capstone_is_timed_in_one_process_and_a_failed_timing_fails_its_row(monkeypatch):
+    """Part d's quiet-card timing (``_speed_phase``) and how its timings replace the shared
+    card's in part b's records (``_with_speeds``)."""
     from types import SimpleNamespace
 
     from helpers.results import Record
@@ -425,22 +416,35 @@ def test_a_capstone_recipe_whose_timing_fails_is_failed_for_part_d(monkeypatch):
 
     settings = {"vanilla": RunConfig(label="vanilla"), "16-bit": RunConfig(label="16-bit")}
     records = {label: Record(cfg.as_dict(), samples_per_s=1.0) for label, cfg in settings.items()}
-    value = {"vanilla": {"samples_per_s": 3.0}, "16-bit": {"error": "RuntimeError: boom"}}
-    monkeypatch.setattr(
-        G, "call_isolated", lambda fn, *args, timeout: SimpleNamespace(error=None, value=value)
-    )
+    value = {"vanilla": {"samples_per_s": 3.0, "nvml_used": 8},
+             "16-bit": {"error": "RuntimeError: boom"}}  # fmt: skip
+    seen = []
+
+    def isolated(fn, cfgs, timeout):
+        seen.append((fn, [c.label for c in cfgs]))
+        return SimpleNamespace(error=None, value=value)
+
+    monkeypatch.setattr(G, "call_isolated", isolated)
     result = G.GpuCheckResult("now", "cpu", "cpu", 9.0)
     run = G._Run(G.GpuCheckConfig(device="cpu"), result, G.Clock(9.0), lambda: None,
                  lambda line: None)  # fmt: skip
-    G._speed_phase(run, settings, records)
-    assert records["vanilla"].samples_per_s == 3.0
-    assert records["16-bit"].error == "timing alone: RuntimeError: boom"
+    speeds = G._speed_phase(run, settings)
+    assert seen == [(G.measure_speeds, ["vanilla", "16-bit"])]
+    assert result.speed_phase["labels"] == ["vanilla", "16-bit"]
+    merged = G._with_speeds(records, speeds, settings)
+    assert merged["vanilla"].samples_per_s == 3.0 and merged["vanilla"].nvml_used == 8
+    assert merged["16-bit"].error == "timing alone: RuntimeError: boom"
+    assert records["vanilla"].samples_per_s == 1.0  # part b's own records are left as they were
     # The process itself died: every recipe's timing is missing, said in each record.
-    monkeypatch.setattr(G, "call_isolated", lambda fn, *args, timeout: SimpleNamespace(
+    monkeypatch.setattr(G, "call_isolated", lambda fn, cfgs, timeout: SimpleNamespace(
         error="crashed: signal 9", value=None))  # fmt: skip
-    records = {label: Record(cfg.as_dict()) for label, cfg in settings.items()}
-    G._speed_phase(run, settings, records)
-    assert {r.error for r in records.values()} == {"timing alone: crashed: signal 9"}
+    merged = G._with_speeds(records, G._speed_phase(run, settings), settings)
+    assert {r.error for r in merged.values()} == {"timing alone: crashed: signal 9"}
+
+
+def test_parts_b_e_and_c_share_the_slots_a_quarter_each_for_b_and_e():
+    assert G.shares(8) == {"b": 2, "e": 2, "c": 4}
+    assert G.shares(2) == {"b": 1, "e": 1, "c": 1} and G.shares(1) == {"b": 1, "e": 1, "c": 1}
 
 
 def test_a_setting_is_given_its_predicted_seconds_times_a_margin():

@@ -333,9 +333,11 @@ def test_measure_speeds_times_settings_in_turn_and_keeps_going_past_a_failure():
                      label="good")  # fmt: skip
     bad = RunConfig(model="bert-tiny", batch_size=2, seq_len=16, optimizer="no-such",
                     label="bad")  # fmt: skip
-    out = measure_speeds([good, bad, RunConfig(**{**good.as_dict(), "label": "again"})],
-                         {"good": 10})  # fmt: skip
+    again = RunConfig(**{**good.as_dict(), "label": "again", "flops": False})
+    out = measure_speeds([good, bad, again])
     assert set(out) == {"good", "bad", "again"} and "no-such" in out["bad"]["error"]
+    assert out["good"]["flops_per_step"] == measure(good).flops_per_step  # counted as measure does
+    assert out["again"]["flops_per_step"] is None
     for label in ("good", "again"):
         times = out[label]["step_times"]
         assert len(times) == 3 and all(t > 0 for t in times)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from helpers.course.schedule import run_at_once
+from helpers.course.schedule import Ledger, run_at_once
 
 
 def test_jobs_run_side_by_side_within_their_slots():
@@ -66,3 +66,33 @@ def test_a_job_that_raises_is_reported_with_its_error_and_the_others_go_on():
     assert sorted(seen) == ["bad", "good"]  # on_done saw each, in the order they ended
     with pytest.raises(ValueError, match="slots"):
         run_at_once(["a"], work, slots=0)
+
+
+def test_schedules_in_two_threads_share_the_cards_bytes_through_a_ledger():
+    """Settings and notebooks of gpu-check run in threads of their own: what they hold
+    together never passes the ledger's capacity, and a job waiting for another schedule's
+    bytes starts once they are given back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ledger = Ledger(10)
+    held, most = [0], [0]
+    lock = threading.Lock()
+
+    def work(need):
+        def run(name):
+            with lock:
+                held[0] += need[name]
+                most[0] = max(most[0], held[0])
+            time.sleep(0.3)
+            with lock:
+                held[0] -= need[name]
+
+        return run
+
+    first, second = {"a": 6, "b": 6}, {"x": 4, "y": 7}
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(run_at_once, list(n), work(n), 2, need=n.get, ledger=ledger)
+                for n in (first, second)]  # fmt: skip
+        outs = [j.result() for j in jobs]
+    assert [sorted(r.name for r in out.ran) for out in outs] == [["a", "b"], ["x", "y"]]
+    assert most[0] <= 10 and ledger.held == 0

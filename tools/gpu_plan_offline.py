@@ -52,7 +52,8 @@ def plan_from_report(report: dict, deadline_min: float, part_a_min: float) -> li
                       f.card.multiprocessors, "00000000-1a2b-4c3d-8e9f-000000000001",
                       f.card.total_memory)  # fmt: skip
     minutes, device = lesson_minutes(fit_scale(f.card), f.card, f.flops_per_s)
-    preflight = SimpleNamespace(lesson_minutes=minutes, lesson_device_minutes=device)
+    preflight = SimpleNamespace(lesson_minutes=minutes, lesson_device_minutes=device,
+                                flops_per_s=f.flops_per_s)  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
         FakeGpu(mp, [profile])
         mp.setattr(G.os, "cpu_count", lambda: f.cores)
@@ -62,9 +63,10 @@ def plan_from_report(report: dict, deadline_min: float, part_a_min: float) -> li
                                   card_bytes=f.card.total_memory)  # fmt: skip
         run = G._Run(G.GpuCheckConfig(device="cuda:0"), result, G.Clock(deadline_min),
                      lambda: None, lambda line: None)  # fmt: skip
-        inputs = G._plan_inputs(run, preflight)
+        run.shares = G.shares(G._slots(result))
+        inputs = G._plan_inputs(run, preflight, G.estimator_settings("cuda:0"))
     plan = plan_parts(inputs, 60 * (deadline_min - part_a_min))
-    total = part_a_min + sum(p.seconds for p in plan.parts) / 60
+    total = part_a_min + plan.total() / 60
     return [f"a: {part_a_min:.1f} min", *plan.summary(),
             f"total with part a: {total:.1f} of {deadline_min:g} min"]  # fmt: skip
 

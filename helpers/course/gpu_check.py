@@ -5,25 +5,27 @@ report as it goes (Markdown and JSON, ``reports/gpu/<date>-<card>.md``), so a ru
 half-way still leaves what it found. The parts, in order of value:
 
 a. the environment (card, driver, CUDA, versions against the tested range) and the preflight;
+   then a plan of the parts left (``helpers.course.gpu_plan``);
+d. the capstone's nine recipes timed first, on a quiet card, in turn in one process
+   (``helpers.train.measure_speeds``: no process or tracked step each), then shown with their
+   bytes from b: samples/s, device memory and MFU next to the guide's V100 table;
 b. the estimator against the real allocator: settings run each in a fresh process, predicted
    bytes per category next to the tracker's, and the peak next to the allocator's
-   ``max_memory_allocated`` and ``max_memory_reserved`` and NVML, the gaps named. They run
-   several at once (``concurrency``, ``helpers.course.schedule``), each capped to its predicted
-   peak with a margin; then the capstone's recipes are timed on a quiet card, in turn in one
-   process (``helpers.train.measure_speeds``: no process, tracked step or FLOP count each);
-d. the capstone's nine recipes, which are among b's runs: samples/s, device memory and MFU next
-   to the guide's V100 table (rendered from b's records and timings);
+   ``max_memory_allocated`` and ``max_memory_reserved`` and NVML, the gaps named; several at
+   once, each capped to its predicted peak with a margin;
 e. the recipes (``recipes/*.py``, the plain scripts learners copy) on this device, each in
    its own process, with the settings that drive their GPU-only paths (fp16 with GradScaler,
    8-bit AdamW, the flash SDPA backend, QLoRA, fp8, the CUDA memory snapshot, DDP and FSDP2
    under torchrun with NCCL);
-c. the lessons, each notebook in a fresh kernel: on a GPU at the full scale, several at once
-   within the card's memory (each lesson's need from ``helpers.course.fullscale``), in an order
-   that puts first the lessons no earlier report covered, as long as time is left; one that
-   fails beside others runs again alone. The tiny scale runs where the full scale cannot (a
-   lesson that does not fit the card; every lesson on a CPU). Speed claims are reported, not
-   failing (``COURSE_SPEED_CLAIMS=report``); each row names the lessons that ran beside it.
+c. the lessons, each notebook in a fresh kernel: on a GPU at the full scale, several at once,
+   in an order that puts first the lessons no earlier report covered, as long as time is left.
+   The tiny scale runs where the full scale cannot (a lesson that does not fit the card; every
+   lesson on a CPU). Speed claims are reported, not failing (``COURSE_SPEED_CLAIMS=report``);
+   each row names the lessons that ran beside it.
 
+Parts b, e and c run side by side, each in a thread of its own (``helpers.course.schedule``),
+sharing the card's bytes: each lesson's need from ``helpers.course.fullscale``, each setting's
+cap. A setting out of its cap, or a lesson that fails beside others, runs again alone at the end.
 On a CPU the same command is the rehearsal: every part at the tiny scale and a short subset of
 notebooks. ``--quick`` is the version ``make test`` runs, so the command cannot rot.
 """
@@ -32,14 +34,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -50,7 +55,7 @@ from helpers import compat
 from helpers.course.fullscale import fit_table, rough_training_flops
 from helpers.course.gpu_plan import PlanInputs, earlier_report, plan_parts
 from helpers.course.preflight import CHECKS, STARTUP_S, format_result, run_preflight
-from helpers.course.schedule import Ran, concurrency, run_at_once
+from helpers.course.schedule import Ledger, Ran, concurrency, run_at_once
 from helpers.device import cudnn_version, gpu_info, is_cuda, nvml_summary, resolve, tf32_capable
 from helpers.estimator import estimate_run
 from helpers.hardware import cpu_name, precision_problem
@@ -113,6 +118,7 @@ class GpuCheckResult:
     part_seconds: dict = field(default_factory=dict)  # "a", "b", "e", "c": seconds each took
     plan: list[str] = field(default_factory=list)  # parts b, e, c predicted after part a
     recipes_at_once: int = 1  # part e's recipes side by side
+    side_by_side: str = ""  # how parts b, e and c ran at once
     seconds: float = 0.0
     finished: bool = False
 
@@ -155,6 +161,8 @@ class _Run:
     write: Callable[[], None]  # the report to disk, as it stands
     say: Callable[[str], None]  # one line of progress (the command prints it)
     flops_per_s: float | None = None  # the preflight's training throughput (part a)
+    shares: dict[str, int] = field(default_factory=dict)  # slots of parts b, e, c (at once)
+    lock: threading.RLock = field(default_factory=threading.RLock)  # b, e and c write at once
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,10 +333,10 @@ def worst_category(row: dict) -> tuple[str, float] | None:
 
 
 # Part b runs in phases. A setting's bytes are its own process's (the tracker, the allocator's
-# statistics), whatever else runs on the card, so every setting runs several at once, each
-# process capped to its predicted peak with a margin; any that ran out of its cap or whose peak
-# could not be predicted runs again alone. Then the capstone's recipes, whose speed part d
-# reports, are timed on a quiet card in one process (their bytes are the at-once runs').
+# statistics), whatever else runs on the card, so every setting runs several at once, beside
+# parts e and c, each process capped to its predicted peak with a margin; any that ran out of its
+# cap or whose peak could not be predicted runs again alone once they are done. The capstone's
+# recipes, whose speed part d reports, were timed before on a quiet card (``_speed_phase``).
 CAP_MARGIN = 1.5  # a concurrent setting's cap: its predicted peak times this, plus CAP_EXTRA
 CAP_EXTRA = 2 * GiB  # the CUDA context, cuBLAS's workspace, the allocator's rounding
 CARD_SHARE = 0.9  # of the card's memory, what the concurrent settings' caps may add up to
@@ -350,106 +358,142 @@ def setting_timeout(run_cfg: RunConfig, flops_per_s: float | None, left: float) 
     """
     low, high = TIMEOUT_S
     if flops_per_s:
-        c = run_cfg
-        tokens = c.batch_size * c.seq_len * c.grad_accum
-        steps = c.warmup + c.repeats + 3  # + the tracked step, an untimed one, the FLOP count
-        flops = rough_training_flops(c.model, tokens, steps, c.gradient_checkpointing)
-        high = min(high, max(low, TIMEOUT_MARGIN * (STARTUP_S + flops / flops_per_s)))
+        high = min(
+            high, max(low, TIMEOUT_MARGIN * (STARTUP_S + setting_flops(run_cfg) / flops_per_s))
+        )
     return max(30.0, min(high, left - 10))  # run_at_once starts none with under 30 s left
 
 
-def _part_b(run: _Run) -> dict:
-    """Every setting in a fresh process, several at once (``concurrency``), then the capstone's
-    timed on a quiet card (``_speed_phase``); returns the records by label (part d reads them)."""
-    cfg, result, clock = run.cfg, run.result, run.clock
-    settings = estimator_settings(cfg.device, cfg.quick)
-    missing = compat.missing_optional("bitsandbytes")
-    if missing and not cfg.quick:
-        result.not_reached.append(f"estimator: the two 8-bit AdamW recipes ({missing})")
-    cuda, alone, slots = result.device.startswith("cuda"), [], _slots(result)
-    capacity = int(CARD_SHARE * result.card_bytes) if cuda and result.card_bytes else None
-    result.estimator_phases = _phases(slots, capacity, len(CAPSTONE & set(settings)))
-    records: dict = {}
-    caps: dict[str, int] = {}
-    timeouts: dict[str, float] = {}
+def setting_flops(c: RunConfig) -> float:
+    """Rough training FLOPs of one setting in part b: its steps (warmup, timed, + the tracked
+    step, an untimed one and the FLOP count)."""
+    tokens = c.batch_size * c.seq_len * c.grad_accum
+    steps = c.warmup + c.repeats + 3
+    return rough_training_flops(c.model, tokens, steps, c.gradient_checkpointing)
 
-    def need(label: str) -> int | None:  # the cap: the predicted peak with a margin
+
+@dataclass
+class _PartB:
+    """Part b as it runs: its settings, each one's cap and timeout, the records as they end."""
+
+    run: _Run
+    settings: dict[str, RunConfig]
+    records: dict = field(default_factory=dict)
+    caps: dict[str, int] = field(default_factory=dict)
+    timeouts: dict[str, float] = field(default_factory=dict)
+    alone: list[str] = field(default_factory=list)  # to run again alone, uncapped
+
+    def need(self, label: str) -> int | None:
+        """A setting's cap: its predicted peak with a margin (None: measured alone instead)."""
         try:
-            caps[label] = int(CAP_MARGIN * estimate_run(settings[label]).peak + CAP_EXTRA)
-        except Exception:  # measured alone instead
+            peak = estimate_run(self.settings[label]).peak
+        except Exception:
             return None
-        return caps[label]
+        self.caps[label] = int(CAP_MARGIN * peak + CAP_EXTRA)
+        return self.caps[label]
 
-    def work(label: str, capped: bool):
-        run_cfg = settings[label]
-        if capped and label in caps:
-            run_cfg = replace(run_cfg, budget=caps[label])
-        timeouts[label] = setting_timeout(run_cfg, run.flops_per_s, clock.left())
-        out = call_isolated(measure, run_cfg, timeout=timeouts[label])
+    def work(self, label: str, capped: bool):
+        """One setting measured in a fresh process (``measure``), under its cap if ``capped``."""
+        run_cfg = self.settings[label]
+        if capped and label in self.caps:
+            run_cfg = replace(run_cfg, budget=self.caps[label])
+        timeout = setting_timeout(run_cfg, self.run.flops_per_s, self.run.clock.left())
+        self.timeouts[label] = timeout
+        out = call_isolated(measure, run_cfg, timeout=timeout)
         return out.value if out.error is None else _failed_record(run_cfg, out.error)
 
-    def done(ran: Ran, phase: str) -> None:
-        record = ran.value if not ran.error else _failed_record(settings[ran.name], ran.error)
+    def done(self, ran: Ran, phase: str) -> None:
+        """A setting's record, its row in the report (or, out of its cap, a second run alone)."""
+        run, result = self.run, self.run.result
+        record = ran.value if not ran.error else _failed_record(self.settings[ran.name], ran.error)
         if phase == "at once" and record.oom and ran.need is not None:
-            alone.append(ran.name)  # ran out of its cap among others: measured alone
+            self.alone.append(ran.name)  # ran out of its cap among others: measured alone
             run.say(f"[b] {ran.name}: out of its {human_bytes(ran.need)} cap; again alone")
             return
-        records[ran.name] = record
-        row = estimator_row(ran.name, settings[ran.name], record)
+        self.records[ran.name] = record
+        row = estimator_row(ran.name, self.settings[ran.name], record)
         row.update(phase=phase, started_s=round(ran.started, 1), ended_s=round(ran.ended, 1),
-                   timeout_s=round(timeouts.get(ran.name, 0.0)))  # fmt: skip
-        if phase == "at once" and cuda:  # NVML sees the whole card: every process at once
+                   timeout_s=round(self.timeouts.get(ran.name, 0.0)))  # fmt: skip
+        if phase == "at once" and result.device.startswith("cuda"):  # NVML: every process
             row.update(nvml_used=None, nvml_minus_reserved=None)
         result.estimator.append(row)
         run.write()
-        run.say(f"[b] {len(result.estimator)}/{len(settings)} {phase} {_estimator_line(row)} "
-                f"({ran.started:.0f}-{ran.ended:.0f} s)")  # fmt: skip
+        run.say(f"[b] {len(result.estimator)}/{len(self.settings)} {phase} "
+                f"{_estimator_line(row)} ({ran.started:.0f}-{ran.ended:.0f} s)")  # fmt: skip
 
-    first = run_at_once(list(settings), lambda label: work(label, True), slots, capacity, need,
-                        clock.left, 30.0, lambda ran: done(ran, "at once"),
-                        origin=clock.start)  # fmt: skip
+
+def _part_b(run: _Run, settings: dict[str, RunConfig], ledger: Ledger | None = None) -> _PartB:
+    """Every setting in a fresh process, several at once (``run.shares["b"]``), each capped on a
+    GPU and holding its cap in ``ledger`` (the card, shared with parts e and c). The capstone's
+    skip their FLOP count: ``_speed_phase`` counted them. ``_part_b_alone`` runs what is left."""
+    result, clock = run.result, run.clock
+    missing = compat.missing_optional("bitsandbytes")
+    if missing and not run.cfg.quick:
+        result.not_reached.append(f"estimator: the two 8-bit AdamW recipes ({missing})")
+    b = _PartB(run, {k: replace(c, flops=False) if k in CAPSTONE else c
+                     for k, c in settings.items()})  # fmt: skip
+    slots = run.shares.get("b", _slots(result))
+    result.estimator_phases = _phases(slots, ledger.capacity if ledger else None)
+    first = run_at_once(list(settings), lambda label: b.work(label, True), slots,
+                        need=b.need, left=clock.left, min_left=30.0,
+                        on_done=lambda ran: b.done(ran, "at once"), origin=clock.start,
+                        ledger=ledger)  # fmt: skip
     result.estimator_most_at_once = first.most_at_once
-    alone += list(first.not_started)  # no predicted peak, or over the card's share
-    run_at_once(alone, lambda label: work(label, False), 1, left=clock.left, min_left=30.0,
-                on_done=lambda ran: done(ran, "alone"), origin=clock.start)  # fmt: skip
-    not_run = [label for label in settings if label not in records]
+    b.alone += list(first.not_started)  # no predicted peak, or over the card's share
+    return b
+
+
+def _part_b_alone(b: _PartB) -> dict:
+    """Part b's settings that need the card to themselves, one at a time, uncapped; returns
+    every record by label (part d reads them)."""
+    clock, result = b.run.clock, b.run.result
+    run_at_once(b.alone, lambda label: b.work(label, False), 1, left=clock.left, min_left=30.0,
+                on_done=lambda ran: b.done(ran, "alone"), origin=clock.start)  # fmt: skip
+    not_run = [label for label in b.settings if label not in b.records]
     if not_run:
         result.not_reached.append(f"estimator: {', '.join(not_run)} (not measured in time)")
-    _speed_phase(run, {k: c for k, c in settings.items() if k in CAPSTONE}, records)
-    return records
+    return b.records
 
 
-def _speed_phase(run: _Run, settings: dict[str, RunConfig], records: dict) -> None:
-    """The capstone's speed on a quiet card: the recipes measured above, timed in turn in one
-    fresh process (``measure_speeds``); their records take these timings (part d reads them),
-    and one whose timing failed becomes a failed record for part d."""
-    labels = [label for label in settings if label in records and records[label].ok]
-    if not labels:
-        return
-    clock, flops = run.clock, {label: records[label].flops_per_step for label in labels}
+def _speed_phase(run: _Run, settings: dict[str, RunConfig]) -> dict[str, dict]:
+    """The capstone's speed on a quiet card, before anything else shares it: the recipes timed
+    in turn in one fresh process (``measure_speeds``: their FLOPs counted too); per label the
+    ``Record`` fields it measured, or ``{"error": ...}``."""
+    clock = run.clock
+    if not settings:
+        return {}
     if clock.left() < 30:
         run.result.not_reached.append("capstone speed: no time left to time the recipes")
-        return
+        return {}
     start = clock.spent()
-    out = call_isolated(measure_speeds, [settings[label] for label in labels], flops,
+    out = call_isolated(measure_speeds, list(settings.values()),
                         timeout=min(300.0, clock.left() - 10))  # fmt: skip
-    for label in labels:
-        got = out.value.get(label, {}) if out.error is None else {"error": out.error}
-        if "error" in got:
-            records[label] = _failed_record(settings[label], f"timing alone: {got['error']}")
-        else:
-            records[label] = replace(records[label], **got)
-    run.result.speed_phase = {"labels": labels, "started_s": round(start, 1),
+    speeds = out.value if out.error is None else {k: {"error": out.error} for k in settings}
+    run.result.speed_phase = {"labels": list(settings), "started_s": round(start, 1),
                               "ended_s": round(clock.spent(), 1), "error": out.error}  # fmt: skip
-    run.say(f"[b] capstone timed alone: {len(labels)} recipes in one process, "
+    run.say(f"[d] the capstone timed on a quiet card: {len(settings)} recipes in one process, "
             f"{clock.spent() - start:.0f} s {out.error or ''}".rstrip())  # fmt: skip
+    return speeds
 
 
-def _phases(slots: int, capacity: int | None, timed: int) -> str:
+def _with_speeds(records: dict, speeds: dict[str, dict], settings: dict[str, RunConfig]) -> dict:
+    """Part b's records with the capstone's quiet-card timings in place of their shared-card
+    ones (part d); a recipe whose timing failed becomes a failed record there."""
+    out = dict(records)
+    for label, got in speeds.items():
+        if label not in out or not out[label].ok:
+            continue
+        if "error" in got:
+            out[label] = _failed_record(settings[label], f"timing alone: {got['error']}")
+        else:
+            out[label] = replace(out[label], **got)
+    return out
+
+
+def _phases(slots: int, capacity: int | None) -> str:
     """How part b runs, for the report."""
     shared = f", caps within {human_bytes(capacity)} of the card" if capacity else ""
-    quiet = f"then the capstone's {timed} recipes timed in turn in one process (a quiet card)"
-    return f"{slots} settings at once{shared}; {quiet}"
+    return f"{slots} settings at once{shared}, beside parts e and c"
 
 
 def _failed_record(run_cfg: RunConfig, error: str):
@@ -540,14 +584,18 @@ def run_recipe(label: str, cmd: list[str], timeout: float, cwd: Path) -> dict:
             "note": " / ".join(lines[-3:])[-400:]}  # fmt: skip
 
 
-def _part_e(run: _Run) -> None:
-    """Every recipe on this device, side by side (``concurrency``), each in a folder of its own,
-    while time allows (a third of what is left at most)."""
+# What a recipe or a tiny-scale lesson holds on a card: a CUDA context (616 MiB on the H200),
+# cuBLAS's workspace, a tiny model (the recipes' default size) and its steps.
+SMALL_JOB_BYTES = 2 * GiB
+
+
+def _part_e(run: _Run, ledger: Ledger | None = None) -> None:
+    """Every recipe on this device, several at once (``run.shares["e"]``, beside parts b and c),
+    each in a folder of its own, holding ``RECIPE_BYTES`` of the card in ``ledger``."""
     cfg, result, clock = run.cfg, run.result, run.clock
     work = ROOT / "build" / "gpu-check" / "recipes"
-    stop = clock.left() * (2 / 3)  # leave two thirds for the notebooks
     runs = dict(recipe_runs(cfg.device or "cpu", cfg.quick))
-    slots = result.recipes_at_once = _slots(result)
+    slots = result.recipes_at_once = run.shares.get("e", _slots(result))
 
     def one(label: str) -> dict:
         folder = work / _slug(label)  # what a recipe writes (a snapshot, a trace) stays apart
@@ -560,12 +608,11 @@ def _part_e(run: _Run) -> None:
         row.update(started_s=round(ran.started, 1), ended_s=round(ran.ended, 1))
         result.recipes.append(row)
         run.write()
-        run.say(f"[e] {row['recipe']}: {row['outcome']} in {row['seconds']:.0f} s {row['note']}")
+        run.say(f"[e] {row['recipe']}: {row['outcome']} in {row['seconds']:.0f} s "
+                f"({ran.started:.0f}-{ran.ended:.0f} s) {row['note']}")  # fmt: skip
 
-    def left() -> float:  # a recipe starts with a third of the time and 30 s still left
-        return min(clock.left() - stop, clock.left() - 30)
-
-    out = run_at_once(list(runs), one, slots, left=left, on_done=done, origin=clock.start)
+    out = run_at_once(list(runs), one, slots, need=lambda label: SMALL_JOB_BYTES, left=clock.left,
+                      min_left=30.0, on_done=done, origin=clock.start, ledger=ledger)  # fmt: skip
     result.not_reached += [f"recipe {label}: no time left" for label in out.not_started]
 
 
@@ -630,6 +677,7 @@ class _Running:
     out_dir: Path
     need: int = 0  # the card's bytes it was admitted with
     beside: set[str] = field(default_factory=set)  # the lessons that ran beside it
+    origin: float = 0.0  # the run's start (time.monotonic()): the row's times count from it
 
 
 def _launch(path: Path, scale: str, work: Path, device: str | None) -> _Running:
@@ -689,7 +737,9 @@ def _finish(run: _Running, killed: bool) -> dict:
         error = notebook_error(executed) or _log_tail(run.out_dir / f"{run.path.stem}.log")
     return {"lesson": lesson_number(run.path), "notebook": run.path.name, "scale": run.scale,
             "outcome": outcome, "seconds": round(seconds, 1), "error": error,
-            "claims": claims_summary(run.claims), "beside": sorted(run.beside)}  # fmt: skip
+            "claims": claims_summary(run.claims), "beside": sorted(run.beside),
+            "started_s": round(run.started - run.origin, 1),
+            "ended_s": round(run.started - run.origin + seconds, 1)}  # fmt: skip
 
 
 def _log_tail(path: Path, lines: int = 3) -> str:
@@ -707,15 +757,15 @@ def _stop(run: _Running) -> None:
 
 def run_notebooks(
     paths: list[Path], scale: str, work: Path, clock: Clock, parallel: int, on_done,
-    device: str | None = None, estimate_s=None, need_bytes=None, capacity: int | None = None,
+    device: str | None = None, estimate_s=None, need_bytes=None, ledger: Ledger | None = None,
 ) -> None:  # fmt: skip
     """Execute ``paths`` at ``scale``, ``parallel`` at a time, until the deadline.
 
     ``on_done(row)`` receives each notebook's outcome as it ends; the row names the lessons
     that ran beside it. ``estimate_s(path)``, if given, is a notebook's expected seconds: one
-    is not started when fewer are left. With ``capacity``, the notebooks running together also
-    keep their ``need_bytes(path)`` within that many bytes of the card: one waits for bytes while
-    a later, smaller one may go ahead.
+    is not started when fewer are left. With ``ledger``, a notebook also holds its
+    ``need_bytes(path)`` of the card while it runs (shared with other parts): one waits for
+    bytes while a later, smaller one may go ahead.
     """
     queue, running = list(paths), []
     while queue or running:
@@ -728,15 +778,11 @@ def run_notebooks(
                 on_done(_not_started(path, scale, need, clock.left()))
                 continue
             nbytes = need_bytes(path) if need_bytes else 0
-            if (
-                capacity is not None
-                and running
-                and sum(r.need for r in running) + nbytes > capacity
-            ):
+            if ledger is not None and not ledger.take(nbytes):
                 continue  # waits for bytes
             queue.remove(path)
             new = _launch(path, scale, work, device)
-            new.need = nbytes
+            new.need, new.origin = nbytes, clock.start
             for other in running:
                 other.beside.add(lesson_number(path))
                 new.beside.add(lesson_number(other.path))
@@ -746,11 +792,12 @@ def run_notebooks(
             over = clock.left() <= 0
             if run.proc.poll() is None and not over:
                 continue
-            if over and run.proc.poll() is None:
+            killed = over and run.proc.poll() is None
+            if killed:
                 _stop(run)
-                on_done(_finish(run, killed=True))
-            else:
-                on_done(_finish(run, killed=False))
+            if ledger is not None:
+                ledger.give(run.need)
+            on_done(_finish(run, killed=killed))
             running.remove(run)
 
 
@@ -790,9 +837,11 @@ def full_order(paths: list[Path], covered: set[str]) -> tuple[list[Path], str]:
     return fresh + again, why
 
 
-def _part_c(run: _Run, work: Path, minutes: dict[str, float]) -> None:
-    """The lessons: on a GPU at the full scale several at once, the tiny scale where the full
-    scale cannot run (a lesson that does not fit the card; on a CPU, every lesson asked for)."""
+def _part_c(run: _Run, work: Path, minutes: dict[str, float], ledger: Ledger | None = None):
+    """The lessons, several at once (``run.shares["c"]``, beside parts b and e), each holding
+    its need of the card in ``ledger``: on a GPU at the full scale, the tiny scale where the
+    full scale cannot run (a lesson that does not fit the card; on a CPU, every lesson asked
+    for). Returns the notebooks that failed beside others, for ``_part_c_alone``."""
     cfg, result, clock = run.cfg, run.result, run.clock
     missing = [m for m in ("nbclient", "ipykernel") if not compat.importable(m)]
     if missing:
@@ -801,30 +850,30 @@ def _part_c(run: _Run, work: Path, minutes: dict[str, float]) -> None:
             "(for a GPU host: make gpu-wheels, then carry .whl; see README)"
         )
         run.write()
-        return
-    on_gpu = result.device.startswith("cuda")
+        return []
+    tiny, full, fits = _lesson_split(cfg, result)
+    slots, again = run.shares.get("c", _slots(result)), []
 
     def done(row: dict) -> None:
-        result.lessons.append(row)
-        run.write()
-        beside = f" beside {' '.join(row['beside'])}" if row.get("beside") else ""
-        run.say(f"[c] lesson {row['lesson']} ({row['scale']}): {row['outcome']} in "
-                f"{row['seconds']:.0f} s{beside} {row['error']}".rstrip())  # fmt: skip
+        if row["outcome"] == "failed" and row["beside"]:
+            row["outcome"] = "failed beside others"
+            row["error"] += "; runs again alone"
+            again.extend(p for p in tiny + full if p.name == row["notebook"])
+        _lesson_done(run, row)
 
-    tiny, full, fits = _lesson_split(cfg, result)
-    slots = _slots(result)
-    run_notebooks(tiny, "tiny", work, clock, slots, done, cfg.device)
+    run_notebooks(tiny, "tiny", work, clock, slots, done, cfg.device,
+                  need_bytes=lambda path: SMALL_JOB_BYTES, ledger=ledger)  # fmt: skip
     if not full:
+        on_gpu = result.device.startswith("cuda")
         why = "the scale here is tiny ($COURSE_SCALE, or a card too small for the full scale)"
         result.order = (
             f"tiny scale only: {'the full scale runs on a CUDA GPU' if not on_gpu else why}"
         )
         run.write()
-        return
+        return again
     ordered, result.order = full_order(full, covered_earlier(REPORTS))
-    capacity = int(CARD_SHARE * result.card_bytes) if result.card_bytes else None
     result.order += f"; up to {slots} at once" + (
-        f" within {human_bytes(capacity)} of the card" if capacity else ""
+        f" within {human_bytes(ledger.capacity)} of the card, shared" if ledger else ""
     )
     run.write()
 
@@ -833,20 +882,35 @@ def _part_c(run: _Run, work: Path, minutes: dict[str, float]) -> None:
 
     def need_bytes(path: Path) -> int:  # what the lesson has on the card at its peak
         fit = fits.get(lesson_number(path))
-        return fit.need if fit is not None else 0
+        return fit.need if fit is not None else SMALL_JOB_BYTES
 
-    again: list[Path] = []  # failed beside others: run again alone
+    run_notebooks(ordered, "full", work, clock, slots, done, cfg.device, need, need_bytes, ledger)
+    return again
 
-    def done_full(row: dict) -> None:
-        if row["outcome"] == "failed" and row["beside"]:
-            row["outcome"] = "failed beside others"
-            row["error"] += "; runs again alone"
-            again.extend(p for p in ordered if p.name == row["notebook"])
-        done(row)
 
-    run_notebooks(ordered, "full", work, clock, slots, done_full, cfg.device, need, need_bytes,
-                  capacity)  # fmt: skip
-    run_notebooks(again, "full", work, clock, 1, done, cfg.device, need)
+def _part_c_alone(run: _Run, work: Path, minutes: dict[str, float], again: list[Path]) -> None:
+    """The notebooks that failed beside others, again one at a time with the card to themselves
+    (each at the scale it failed at)."""
+    full = {p.name for p in _lesson_split(run.cfg, run.result)[1]}
+
+    def need(path: Path) -> float:  # as part c paces them
+        if path.name not in full:
+            return 30.0
+        return 60 * (1.5 * minutes.get(lesson_number(path), 1.0) + 0.5)
+
+    for path in again:
+        scale = "full" if path.name in full else "tiny"
+        run_notebooks([path], scale, work, run.clock, 1, lambda row: _lesson_done(run, row),
+                      run.cfg.device, need)  # fmt: skip
+
+
+def _lesson_done(run: _Run, row: dict) -> None:
+    run.result.lessons.append(row)
+    run.write()
+    beside = f" beside {' '.join(row['beside'])}" if row.get("beside") else ""
+    span = f" ({row['started_s']:.0f}-{row['ended_s']:.0f} s)" if "started_s" in row else ""
+    run.say(f"[c] lesson {row['lesson']} ({row['scale']}): {row['outcome']} in "
+            f"{row['seconds']:.0f} s{span}{beside} {row['error']}".rstrip())  # fmt: skip
 
 
 def _lesson_split(cfg: GpuCheckConfig, result: GpuCheckResult):
@@ -900,50 +964,83 @@ def run_gpu_check(
     paths: list[Path] = []
 
     def write() -> None:
-        if not paths:  # named once the card is known (part a)
-            paths.extend(report_paths(out, result.card, now))
-        result.seconds = round(clock.spent(), 1)
-        _atomic(paths[1], json.dumps(asdict(result), indent=1, default=str))
-        _atomic(paths[0], render_markdown(result, cfg))
+        with run.lock:  # parts b, e and c write from threads of their own
+            if not paths:  # named once the card is known (part a)
+                paths.extend(report_paths(out, result.card, now))
+            result.seconds = round(clock.spent(), 1)
+            _atomic(paths[1], json.dumps(asdict(result), indent=1, default=str))
+            _atomic(paths[0], render_markdown(result, cfg))
 
     run = _Run(cfg, result, clock, write, say)
-    with _timed_part(result, "a", clock):
+    with _timed_part(run, "a"):
         preflight = _part_a(run)
     run.flops_per_s = preflight.flops_per_s
-    plan = plan_parts(_plan_inputs(run, preflight), clock.left())
+    run.shares = shares(_slots(result))
+    settings = estimator_settings(cfg.device, cfg.quick)
+    plan = plan_parts(_plan_inputs(run, preflight, settings), clock.left())
     result.plan = plan.summary()
     write()
     say("[plan] " + "; ".join(result.plan))
-    with _timed_part(result, "b", clock):
-        records = _part_b(run)
-    _part_d(records, result)
-    write()
-    with _timed_part(result, "e", clock):
-        _part_e(run)
-    with _timed_part(result, "c", clock):
-        _part_c(run, ROOT / "build" / "gpu-check" / "executed", preflight.lesson_minutes)
+    with _timed_part(run, "d"):
+        speeds = _speed_phase(run, {k: c for k, c in settings.items() if k in CAPSTONE})
+    work = ROOT / "build" / "gpu-check" / "executed"
+    part_b, again = _side_by_side(run, settings, preflight.lesson_minutes, work)
+    with _timed_part(run, "alone"):
+        records = _part_b_alone(part_b)
+        _part_c_alone(run, work, preflight.lesson_minutes, again)
+    _part_d(_with_speeds(records, speeds, settings), result)
     result.finished = True
     write()
     return result, paths[0]
 
 
-def _plan_inputs(run: _Run, preflight) -> PlanInputs:
-    """What parts b, e and c will run here, for ``helpers.course.gpu_plan``."""
-    cfg, result = run.cfg, run.result
+def shares(slots: int) -> dict[str, int]:
+    """Slots of parts b, e and c side by side: a quarter each for b and e, the rest for c (at
+    least one each)."""
+    b = e = max(1, slots // 4)
+    return {"b": b, "e": e, "c": max(1, slots - b - e)}
+
+
+def _side_by_side(run: _Run, settings: dict[str, RunConfig], minutes: dict, work: Path):
+    """Parts b, e and c at once, each in a thread of its own, sharing the card's bytes (a
+    ``Ledger`` within ``CARD_SHARE`` of it): what they measure is each process's own bytes, or
+    ratios of contenders timed in the same rounds, so none needs a quiet card. Returns part b
+    and the notebooks to run again alone."""
+    result, s = run.result, run.shares
+    cuda = result.device.startswith("cuda") and result.card_bytes
+    ledger = Ledger(int(CARD_SHARE * result.card_bytes)) if cuda else None
+    result.side_by_side = f"b, e and c at once with {s['b']}, {s['e']} and {s['c']} slots" + (
+        f", within {human_bytes(ledger.capacity)} of the card" if ledger else ""
+    )
+    with ThreadPoolExecutor(3) as pool:
+        b = pool.submit(_in_part, run, "b", _part_b, run, settings, ledger)
+        e = pool.submit(_in_part, run, "e", _part_e, run, ledger)
+        c = pool.submit(_in_part, run, "c", _part_c, run, work, minutes, ledger)
+        return b.result(), (e.result(), c.result())[1]
+
+
+def _in_part(run: _Run, part: str, fn, *args):
+    with _timed_part(run, part):
+        return fn(*args)
+
+
+def _plan_inputs(run: _Run, preflight, settings: dict[str, RunConfig]) -> PlanInputs:
+    """What parts d, b, e and c will run here, for ``helpers.course.gpu_plan``."""
+    cfg, result, s = run.cfg, run.result, run.shares
     on_gpu = result.device.startswith("cuda")
-    settings = estimator_settings(cfg.device, cfg.quick)
-    timed = [label for label in settings if label in CAPSTONE]
-    steps = max((max(1, c.warmup) + 1 + c.repeats for c in settings.values()), default=8)
+    timed = [label for label, c in settings.items() if label in CAPSTONE]
+    steps = max((max(1, c.warmup) + 2 + c.repeats for c in settings.values()), default=9)
     tiny, full, _ = _lesson_split(cfg, result)
     full = [lesson_number(p) for p in full]
-    slots = _slots(result)
+    card_s = sum(setting_flops(c) for c in settings.values()) / (preflight.flops_per_s or math.inf)
     return PlanInputs(
-        settings=list(settings), slots=slots, speed=timed, speed_steps=steps,
+        speed=timed, speed_steps=steps, settings=list(settings), slots=s["b"],
+        settings_device_s=card_s,
         recipes=[label for label, _ in recipe_runs(cfg.device or "cpu", cfg.quick)],
-        recipes_at_once=slots, tiny=[lesson_number(p) for p in tiny], tiny_at_once=slots,
+        recipes_at_once=s["e"], tiny=[lesson_number(p) for p in tiny], tiny_at_once=s["c"],
         full_minutes={n: preflight.lesson_minutes.get(n, 1.0) for n in full},
         full_device_minutes={n: preflight.lesson_device_minutes.get(n, 0.0) for n in full},
-        full_at_once=slots, earlier=earlier_report(REPORTS, result.card) if on_gpu else {},
+        full_at_once=s["c"], earlier=earlier_report(REPORTS, result.card) if on_gpu else {},
         scale="full" if full else "tiny",
     )  # fmt: skip
 
@@ -961,13 +1058,14 @@ def _lesson_paths(cfg: GpuCheckConfig, on_gpu: bool) -> list[Path]:
 
 
 @contextlib.contextmanager
-def _timed_part(result: GpuCheckResult, part: str, clock: Clock):
+def _timed_part(run: _Run, part: str):
     """Note the seconds a part took in ``result.part_seconds`` (the next run's plan reads it)."""
-    start = clock.spent()
+    start = run.clock.spent()
     try:
         yield
     finally:
-        result.part_seconds[part] = round(clock.spent() - start, 1)
+        with run.lock:
+            run.result.part_seconds[part] = round(run.clock.spent() - start, 1)
 
 
 def _atomic(path: Path, text: str) -> None:
@@ -1029,6 +1127,7 @@ def render_markdown(result: GpuCheckResult, cfg: GpuCheckConfig) -> str:
         "",
         *(f"- {line}" for line in result.plan or ["(not made yet)"]),
         "",
+        *([f"Side by side: {result.side_by_side}.", ""] if result.side_by_side else []),
     ]
     lines += _estimator_markdown(result) + _capstone_markdown(result)
     lines += _recipes_markdown(result) + _lessons_markdown(result)
@@ -1069,8 +1168,8 @@ def _estimator_markdown(result: GpuCheckResult) -> list[str]:
         ]
     if result.speed_phase:
         sp = result.speed_phase
-        lines += [f"The capstone's {len(sp['labels'])} recipes were then timed in one process on "
-                  f"a quiet card, {sp['started_s']:.0f}-{sp['ended_s']:.0f} s"
+        lines += [f"The capstone's {len(sp['labels'])} recipes were timed before them, in one "
+                  f"process on a quiet card, {sp['started_s']:.0f}-{sp['ended_s']:.0f} s"
                   f"{': ' + sp['error'] if sp.get('error') else ''} (part d).", ""]  # fmt: skip
     header = ["setting", "ran", "path", "predicted", "tracked", "pred/tracked", "worst category",
               "allocated", "alloc-tracked", "reserved", "reserved-alloc", "NVML",

@@ -3,9 +3,10 @@
 After part a, ``gpu-check`` knows the settings of part b, the recipes of part e, the lessons
 of part c and, from the preflight, the card's throughput (its minutes per lesson at the full
 scale). An earlier report from the same card says how long each setting, recipe and lesson
-took there. From these, ``plan_parts`` predicts each part's seconds (settings run side by side
-counted as sharing their slots) and says, before any of it runs, which parts the deadline
-leaves out. The report keeps the plan next to what each part then took (``part_seconds``).
+took there. The run times the capstone first, on a quiet card (d), then runs b, e and c side by
+side, then what must run alone. From these, ``plan_parts`` predicts when each part starts and
+how long it takes, and says, before any of it runs, which parts the deadline leaves out. The
+report keeps the plan next to what each part then took (``part_seconds``).
 
 Example::
 
@@ -26,7 +27,7 @@ from pathlib import Path
 # of a capstone recipe (the H200 at the full scale: 0.08-0.67 s).
 DEFAULTS = {"full": {"setting": 30.0, "recipe": 15.0, "lesson": 60.0, "step": 0.5},
             "tiny": {"setting": 8.0, "recipe": 12.0, "lesson": 60.0, "step": 0.05}}  # fmt: skip
-SPEED_START_S = 10.0  # part b's speed phase: its one process starting (imports, CUDA context)
+SPEED_START_S = 10.0  # part d's timing: its one process starting (imports, CUDA context)
 BUILD_S = 3.0  # and each recipe's model and optimizer built on the card before its steps
 NOTEBOOK_S = 10.0  # a notebook's kernel and fork server starting (CI's quickest lesson: 8.8 s)
 
@@ -35,14 +36,15 @@ NOTEBOOK_S = 10.0  # a notebook's kernel and fork server starting (CI's quickest
 class PlanInputs:
     """What the parts after a will run, and how (``gpu_check`` fills it after part a)."""
 
-    settings: list[str] = field(default_factory=list)  # part b's labels, in order
-    alone: list[str] = field(default_factory=list)  # those run one at a time
-    slots: int = 1  # part b's settings at once
-    speed: list[str] = field(default_factory=list)  # timed in turn in one process (the capstone)
-    speed_steps: int = 8  # steps each of those runs: warmup, an untimed one, the timed ones
-    recipes: list[str] = field(default_factory=list)  # part e's labels
+    speed: list[str] = field(default_factory=list)  # d: timed in turn in one process, first
+    speed_steps: int = 9  # steps each of those runs: warmup, untimed, timed, the FLOP count
+    settings: list[str] = field(default_factory=list)  # b's labels, in order
+    alone: list[str] = field(default_factory=list)  # those run one at a time, after b, e and c
+    slots: int = 1  # b's settings at once
+    settings_device_s: float = 0.0  # the card's work of b's settings (FLOPs / throughput)
+    recipes: list[str] = field(default_factory=list)  # e's labels
     recipes_at_once: int = 1
-    tiny: list[str] = field(default_factory=list)  # part c's lessons at the tiny scale
+    tiny: list[str] = field(default_factory=list)  # c's lessons at the tiny scale
     tiny_at_once: int = 1
     full_minutes: dict[str, float] = field(default_factory=dict)  # lesson -> preflight minutes
     full_device_minutes: dict[str, float] = field(default_factory=dict)  # of which the card's
@@ -53,11 +55,12 @@ class PlanInputs:
 
 @dataclass
 class PartPlan:
-    """One part's predicted seconds, and from what."""
+    """One part's predicted seconds, when it starts (after part a), and from what."""
 
-    part: str  # "b", "e", "c tiny", "c full"
+    part: str  # "d", "b", "e", "c tiny", "c full", "alone"
     seconds: float
     basis: str
+    start: float = 0.0
 
 
 @dataclass
@@ -68,33 +71,33 @@ class GpuPlan:
     left_s: float
 
     def will_not_fit(self) -> list[str]:
-        """The parts that end past the deadline, in the order they run."""
-        out, spent = [], 0.0
-        for p in self.parts:
-            spent += p.seconds
-            if spent > self.left_s:
-                out.append(p.part)
-        return out
+        """The parts that end past the deadline, in the order they start."""
+        return [p.part for p in self.parts if p.start + p.seconds > self.left_s]
+
+    def total(self) -> float:
+        """Seconds from the plan's start to the end of the last part."""
+        return max((p.start + p.seconds for p in self.parts), default=0.0)
 
     def summary(self) -> list[str]:
         """One line per part, then the parts the deadline leaves out (or that all fit)."""
-        out = [f"{p.part}: about {p.seconds / 60:.1f} min ({p.basis})" for p in self.parts]
+        out = [f"{p.part}: about {p.seconds / 60:.1f} min from minute {p.start / 60:.1f} "
+               f"({p.basis})" for p in self.parts]  # fmt: skip
         late = self.will_not_fit()
-        total = sum(p.seconds for p in self.parts)
-        left = f"{total / 60:.1f} min predicted, {self.left_s / 60:.1f} min left"
+        left = f"{self.total() / 60:.1f} min predicted, {self.left_s / 60:.1f} min left"
         out.append(f"will not fit: {', '.join(late)} ({left})" if late else f"all fit ({left})")
         return out
 
 
 def plan_parts(inputs: PlanInputs, left_s: float) -> GpuPlan:
-    """Predict parts b, e and c (tiny, full) from ``inputs``; ``left_s``: seconds to the deadline.
+    """Predict parts d, b, e and c (tiny, then full) from ``inputs``; ``left_s``: seconds to the
+    deadline. d runs first, alone; b, e and c then start together; what runs alone follows.
 
     Args:
         inputs: the parts' work (``PlanInputs``) and an earlier report of the card, if any.
-        left_s: seconds left when part b starts.
+        left_s: seconds left when part d starts.
 
     Returns:
-        A ``GpuPlan``: each part's seconds and basis; ``will_not_fit`` names the late ones.
+        A ``GpuPlan``: each part's start, seconds and basis; ``will_not_fit`` names the late ones.
     """
     earlier, default = inputs.earlier, DEFAULTS[inputs.scale]
     setting_rows = [_span(r) for r in earlier.get("estimator", [])]
@@ -111,42 +114,47 @@ def plan_parts(inputs: PlanInputs, left_s: float) -> GpuPlan:
             return "an earlier report of this card"
         return "defaults: none in an earlier report" if earlier else "defaults: no earlier report"
 
+    d = SPEED_START_S + sum(BUILD_S + inputs.speed_steps * step_s(s) for s in inputs.speed)
+    d = d if inputs.speed else 0.0
     together = [s for s in inputs.settings if s not in inputs.alone]
     b = sum(setting_s(s) for s in together) / max(1, inputs.slots)
-    b += sum(setting_s(s) for s in inputs.alone)
-    b_why = f"{len(together)} settings {inputs.slots} at once, {len(inputs.alone)} alone"
-    if inputs.speed:  # one process, the recipes in turn, each built then stepped
-        b += SPEED_START_S + sum(BUILD_S + inputs.speed_steps * step_s(s) for s in inputs.speed)
-        b_why += f", then {len(inputs.speed)} timed in one process"
     e = sum(recipe_s(r) for r in inputs.recipes) / max(1, inputs.recipes_at_once)
     tiny = sum(tiny_s(n) for n in inputs.tiny) / max(1, inputs.tiny_at_once)
-    tiny_why = f"{len(inputs.tiny)} lessons {inputs.tiny_at_once} at once"
+    b_why = f"{len(together)} settings {inputs.slots} at once; {basis(setting_rows)}"
     e_why = f"{len(inputs.recipes)} recipes {inputs.recipes_at_once} at once"
+    tiny_why = f"{len(inputs.tiny)} lessons {inputs.tiny_at_once} at once; {basis(tiny_rows)}"
     parts = [
-        PartPlan("b", b, f"{b_why}; {basis(setting_rows)}"),
-        PartPlan("e", e, f"{e_why}; {basis(earlier.get('recipes', []))}"),
-        PartPlan("c tiny", tiny, f"{tiny_why}; {basis(tiny_rows)}"),
+        PartPlan("d", d, f"{len(inputs.speed)} recipes timed in one process on a quiet card"),
+        PartPlan("b", b, b_why, d),
+        PartPlan("e", e, f"{e_why}; {basis(earlier.get('recipes', []))}", d),
+        PartPlan("c tiny", tiny, tiny_why, d),
     ]
     if inputs.full_minutes:
-        parts.append(_full_part(inputs))
+        parts.append(_full_part(inputs, d + tiny))
+    after = max(p.start + p.seconds for p in parts)
+    if inputs.alone:
+        alone = sum(setting_s(s) for s in inputs.alone)
+        parts.append(PartPlan("alone", alone, f"{len(inputs.alone)} settings", after))
     return GpuPlan(parts, left_s)
 
 
-def _full_part(inputs: PlanInputs) -> PartPlan:
-    """The full scale, lessons side by side: the card's work (the preflight's FLOPs over its
-    throughput) done one lesson at a time, while the rest (processes starting, models built)
-    overlaps; never less than the longest lesson. Without NVIDIA's Multi-Process Service the
-    card runs one process's kernels at a time, switching between them ("When to Use MPS",
+def _full_part(inputs: PlanInputs, start: float) -> PartPlan:
+    """The full scale, lessons side by side and beside part b: the card's work (the preflight's
+    FLOPs over its throughput, part b's settings' too) done one process at a time, while the
+    rest (processes starting, models built) overlaps; never less than the longest lesson.
+    Without NVIDIA's Multi-Process Service the card runs one process's kernels at a time,
+    switching between them ("When to Use MPS",
     https://docs.nvidia.com/deploy/mps/when-to-use-mps.html), so processes beside each other
     fill each other's idle gaps but do not share the card's compute."""
     n = max(1, inputs.full_at_once)
     each = {k: 60 * m + NOTEBOOK_S for k, m in inputs.full_minutes.items()}
     card = 60 * sum(inputs.full_device_minutes.get(k, 0.0) for k in each)
+    card += inputs.settings_device_s
     seconds = max(card, sum(each.values()) / n, max(each.values()))
-    why = (f"{len(each)} lessons {n} at once; the card's work {card / 60:.1f} min one after "
-           f"another, the rest {n} at once (the preflight's minutes "
+    why = (f"{len(each)} lessons {n} at once; the card's work {card / 60:.1f} min (part b's "
+           f"included) one process at a time, the rest {n} at once (the preflight's minutes "
            f"+ {NOTEBOOK_S:.0f} s each)")  # fmt: skip
-    return PartPlan("c full", seconds, why)
+    return PartPlan("c full", seconds, why, start)
 
 
 def _span(row: dict) -> dict:

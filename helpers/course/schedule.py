@@ -7,6 +7,9 @@ jobs start while the slots and the bytes allow, in the order given (a smaller on
 of one waiting for bytes), and each one's outcome comes back in this thread as it ends, with
 when it started and ended.
 
+Several schedules running at once in threads of their own (gpu-check's settings, recipes and
+notebooks) share one card through a ``Ledger`` of its bytes.
+
 Example::
 
     ran = run_at_once(["a", "b", "c"], work=lambda name: len(name), slots=2)
@@ -18,6 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -50,6 +54,32 @@ class Schedule:
         return any(b[0] < a[1] for a, b in itertools.pairwise(spans))
 
 
+class Ledger:
+    """The bytes of one card that jobs hold, shared by schedules in several threads.
+
+    A job takes its bytes before it starts and gives them back when it ends. It fits beside
+    what is held within ``capacity``; when nothing is held it fits whatever it needs (a job
+    larger than the card is refused before it asks: ``run_at_once``'s ``not_started``).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.held = capacity, 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bool:
+        """Hold ``nbytes`` if they fit; whether they did."""
+        with self._lock:
+            if self.held and self.held + nbytes > self.capacity:
+                return False
+            self.held += nbytes
+            return True
+
+    def give(self, nbytes: int) -> None:
+        """Give back what ``take`` held."""
+        with self._lock:
+            self.held -= nbytes
+
+
 def concurrency(device_type: str, cores: int | None = None) -> int:
     """Experiments at once, each in its own process: on a GPU two host cores each (a process
     builds its model and feeds the card), at most 8; on a CPU one per core, at most 2.
@@ -70,9 +100,10 @@ def run_at_once(
     min_left: float = 0.0,
     on_done: Callable[[Ran], None] = lambda ran: None,
     origin: float | None = None,
+    ledger: Ledger | None = None,
 ) -> Schedule:
-    """``work(name)`` for every name, at most ``slots`` at once and, with ``capacity``, at most
-    ``capacity`` bytes of ``need`` together.
+    """``work(name)`` for every name, at most ``slots`` at once and, with ``capacity`` (or a
+    ``ledger`` shared with other schedules), at most that many bytes of ``need`` together.
 
     Args:
         names: the jobs, in the order they may start.
@@ -85,6 +116,7 @@ def run_at_once(
         on_done: called in this thread with each job's ``Ran`` as it ends.
         origin: the ``time.monotonic()`` the jobs' start and end times count from
             (default: this call's start).
+        ledger: the card's bytes, shared with schedules in other threads.
 
     Returns:
         A ``Schedule``: every ``Ran`` in the order the jobs ended, the jobs not started.
@@ -95,22 +127,26 @@ def run_at_once(
     needs: dict[str, int | None] = {}
     running: dict[Future, Ran] = {}
     start = time.monotonic() if origin is None else origin
+    ledger = ledger or (Ledger(capacity) if capacity is not None else None)
 
     with ThreadPoolExecutor(max_workers=slots) as pool:
         while queue or running:
             while len(running) < slots:
-                name = _next_fitting(queue, needs, need, capacity, running, left, min_left, out)
+                name = _next_fitting(queue, needs, need, ledger, left, min_left, out)
                 if name is None:
                     break  # nothing left, or nothing that fits beside what runs
                 queue.remove(name)
                 ran = Ran(name, need=needs[name])
                 running[pool.submit(_timed, work, ran, start)] = ran
                 out.most_at_once = max(out.most_at_once, len(running))
-            if not running:
+            if not running:  # what is left waits for bytes that other schedules hold
+                time.sleep(0.2)
                 continue
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            done, _ = wait(running, return_when=FIRST_COMPLETED, timeout=1.0)
             for future in sorted(done, key=lambda f: running[f].ended):
                 ran = running.pop(future)
+                if ledger is not None and ran.need:
+                    ledger.give(ran.need)
                 out.ran.append(ran)
                 on_done(ran)
     return out
@@ -127,10 +163,11 @@ def _timed(work: Callable[[str], object], ran: Ran, start: float) -> Ran:
     return ran
 
 
-def _next_fitting(queue, needs, need, capacity, running, left, min_left, out) -> str | None:
-    """The first queued job that fits beside the running ones (a later, smaller one may go
-    ahead of one waiting for bytes); jobs that can never start leave the queue, with why."""
-    held = sum(r.need or 0 for r in running.values())
+def _next_fitting(queue, needs, need, ledger, left, min_left, out) -> str | None:
+    """The first queued job that fits beside the running ones, its bytes then held in the
+    ledger (a later, smaller one may go ahead of one waiting for bytes); jobs that can never
+    start leave the queue, with why."""
+    capacity = ledger.capacity if ledger is not None else None
     for name in list(queue):
         if name not in needs:
             needs[name] = need(name) if capacity is not None else None
@@ -138,7 +175,7 @@ def _next_fitting(queue, needs, need, capacity, running, left, min_left, out) ->
         if why:
             out.not_started[name] = why
             queue.remove(name)
-        elif capacity is None or not running or held + needs[name] <= capacity:
+        elif ledger is None or ledger.take(needs[name]):
             return name
     return None
 
