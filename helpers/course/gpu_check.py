@@ -591,7 +591,7 @@ SMALL_JOB_BYTES = 2 * GiB
 
 def _part_e(run: _Run, ledger: Ledger | None = None) -> None:
     """Every recipe on this device, several at once (``run.shares["e"]``, beside parts b and c),
-    each in a folder of its own, holding ``RECIPE_BYTES`` of the card in ``ledger``."""
+    each in a folder of its own, holding ``SMALL_JOB_BYTES`` of the card in ``ledger``."""
     cfg, result, clock = run.cfg, run.result, run.clock
     work = ROOT / "build" / "gpu-check" / "recipes"
     runs = dict(recipe_runs(cfg.device or "cpu", cfg.quick))
@@ -1212,10 +1212,10 @@ def _capstone_markdown(result: GpuCheckResult) -> list[str]:
         "## d. The capstone's recipes next to the guide's V100 table",
         "",
         "The nine recipes of the v4.30 single-GPU guide (bert-large, sequence 512, batch 4 at "
-        "the full scale), from part b: samples/s and MFU timed on a quiet card, the recipes in "
-        "turn in one process after the settings that ran at once. Memory is NVML's device "
-        "memory after those timed steps where there is one (as the guide's nvidia-smi), else "
-        "the tracked peak; ratios are to each side's vanilla run. Source: "
+        "the full scale): samples/s and MFU timed on a quiet card, the recipes in turn in one "
+        "process before parts b, e and c started. Memory is NVML's device memory after those "
+        "timed steps where there is one (as the guide's nvidia-smi), else part b's tracked "
+        "peak; ratios are to each side's vanilla run. Source: "
         "https://huggingface.co/docs/transformers/v4.30.0/en/perf_train_gpu_one",
         "",
     ]
