@@ -5,6 +5,8 @@ gets. The quick run here is the version ``make test`` runs so the command cannot
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,7 +67,9 @@ def test_the_quick_run_writes_every_part_of_the_report(quick_run):
              for part, key in (("b", "estimator"), ("e", "recipes"), ("c", "lessons"))}  # fmt: skip
     overlap = any(x0 < y1 and y0 < x1 for x0, x1 in spans["b"] for y0, y1 in spans["c"])
     assert overlap, spans  # parts b and c ran at the same time (their timestamps overlap)
-    assert "Side by side: b, e and c at once with 1, 1 and 1 slots." in text
+    threads = os.environ.get("OMP_NUM_THREADS", "1")  # 2 cores, 3 parts: one thread each
+    assert ("Side by side: b, e and c at once with 1, 1 and 1 slots; the notebooks and recipes "
+            f"with OMP_NUM_THREADS={threads}.") in text  # fmt: skip
     for label in ("vanilla", "16-bit"):  # on the CPU the estimator is exact for the encoder
         row = rows[label]
         assert row["predicted"]["peak"] == pytest.approx(row["tracked"]["peak"], rel=0.02)
@@ -440,6 +444,23 @@ def test_the_capstone_is_timed_in_one_process_and_a_failed_timing_fails_its_row(
         error="crashed: signal 9", value=None))  # fmt: skip
     merged = G._with_speeds(records, G._speed_phase(run, settings), settings)
     assert {r.error for r in merged.values()} == {"timing alone: crashed: signal 9"}
+
+
+def test_the_side_by_side_environment_is_set_for_the_children_and_restored(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("COURSE_TEST_VALUE", "before")
+    with G._environment(OMP_NUM_THREADS="2", COURSE_TEST_VALUE="inside"):
+        child = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import os; print(os.environ['OMP_NUM_THREADS'], os.environ['COURSE_TEST_VALUE'])",
+            ],
+            capture_output=True,
+            text=True,
+        )
+    assert child.stdout.split() == ["2", "inside"]
+    assert "OMP_NUM_THREADS" not in os.environ and os.environ["COURSE_TEST_VALUE"] == "before"
 
 
 def test_parts_b_e_and_c_share_the_slots_a_quarter_each_for_b_and_e():

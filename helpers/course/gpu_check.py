@@ -1009,14 +1009,38 @@ def _side_by_side(run: _Run, settings: dict[str, RunConfig], minutes: dict, work
     result, s = run.result, run.shares
     cuda = result.device.startswith("cuda") and result.card_bytes
     ledger = Ledger(int(CARD_SHARE * result.card_bytes)) if cuda else None
-    result.side_by_side = f"b, e and c at once with {s['b']}, {s['e']} and {s['c']} slots" + (
-        f", within {human_bytes(ledger.capacity)} of the card" if ledger else ""
+    threads = os.environ.get("OMP_NUM_THREADS") or str(
+        max(1, (os.cpu_count() or 1) // sum(s.values()))
     )
-    with ThreadPoolExecutor(3) as pool:
+    result.side_by_side = (
+        f"b, e and c at once with {s['b']}, {s['e']} and {s['c']} slots"
+        + (f", within {human_bytes(ledger.capacity)} of the card" if ledger else "")
+        + f"; the notebooks and recipes with OMP_NUM_THREADS={threads}"
+    )
+    with _environment(OMP_NUM_THREADS=threads), ThreadPoolExecutor(3) as pool:
         b = pool.submit(_in_part, run, "b", _part_b, run, settings, ledger)
         e = pool.submit(_in_part, run, "e", _part_e, run, ledger)
         c = pool.submit(_in_part, run, "c", _part_c, run, work, minutes, ledger)
         return b.result(), (e.result(), c.result())[1]
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    """Variables set for the processes started inside (each thread's children), then restored.
+
+    Side by side, the processes' CPU threads share the host's cores: each alone would start as
+    many as there are cores, and several would oversubscribe them (``torch.distributed.run``
+    sets OMP_NUM_THREADS=1 for several processes per node, unless it is set, for this reason)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _in_part(run: _Run, part: str, fn, *args):
