@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -1031,16 +1032,8 @@ def _environment(**values: str):
     Side by side, the processes' CPU threads share the host's cores: each alone would start as
     many as there are cores, and several would oversubscribe them (``torch.distributed.run``
     sets OMP_NUM_THREADS=1 for several processes per node, unless it is set, for this reason)."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
+    with mock.patch.dict(os.environ, values):  # restores what was there, or its absence
         yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _in_part(run: _Run, part: str, fn, *args):
