@@ -155,7 +155,8 @@ def test_on_a_gpu_the_full_scale_runs_at_once_and_a_lesson_failing_beside_others
     FakeGpu(monkeypatch, [PROFILES["h100"]])
     fits = [LessonFit(n, "does not fit" if n == "03" else "fits", "", n_gib * G.GiB)
             for n, n_gib in (("00", 10), ("03", 20), ("05", 30))]  # fmt: skip
-    monkeypatch.setattr(G, "fit_table", lambda scale, card: fits)
+    tables = []  # the fit table runs the estimator: once per run, before b's thread runs it
+    monkeypatch.setattr(G, "fit_table", lambda scale, card: tables.append(1) or fits)
     calls = []
 
     def fake_run(paths, scale, work, clock, parallel, on_done, device=None, estimate_s=None,
@@ -186,6 +187,7 @@ def test_on_a_gpu_the_full_scale_runs_at_once_and_a_lesson_failing_beside_others
         ("05", "full", "failed beside others"), ("05", "full", "passed"),
     ]  # fmt: skip
     assert result.problems == [] and "up to 4 at once within" in result.order
+    assert tables == [1]
     text = "\n".join(G._lessons_markdown(result))
     assert "| 00 | full | passed | 1 | 05 |" in text and "lessons 00, 08, 11, 14" in text
 

@@ -164,6 +164,7 @@ class _Run:
     flops_per_s: float | None = None  # the preflight's training throughput (part a)
     shares: dict[str, int] = field(default_factory=dict)  # slots of parts b, e, c (at once)
     lock: threading.RLock = field(default_factory=threading.RLock)  # b, e and c write at once
+    split: tuple | None = None  # part c's notebooks: tiny, full, fits (``_split``)
 
 
 # --------------------------------------------------------------------------------------------
@@ -852,7 +853,7 @@ def _part_c(run: _Run, work: Path, minutes: dict[str, float], ledger: Ledger | N
         )
         run.write()
         return []
-    tiny, full, fits = _lesson_split(cfg, result)
+    tiny, full, fits = _split(run)
     slots, again = run.shares.get("c", _slots(result)), []
 
     def done(row: dict) -> None:
@@ -892,7 +893,7 @@ def _part_c(run: _Run, work: Path, minutes: dict[str, float], ledger: Ledger | N
 def _part_c_alone(run: _Run, work: Path, minutes: dict[str, float], again: list[Path]) -> None:
     """The notebooks that failed beside others, again one at a time with the card to themselves
     (each at the scale it failed at)."""
-    full = {p.name for p in _lesson_split(run.cfg, run.result)[1]}
+    full = {p.name for p in _split(run)[1]}
 
     def need(path: Path) -> float:  # as part c paces them
         if path.name not in full:
@@ -912,6 +913,15 @@ def _lesson_done(run: _Run, row: dict) -> None:
     span = f" ({row['started_s']:.0f}-{row['ended_s']:.0f} s)" if "started_s" in row else ""
     run.say(f"[c] lesson {row['lesson']} ({row['scale']}): {row['outcome']} in "
             f"{row['seconds']:.0f} s{span}{beside} {row['error']}".rstrip())  # fmt: skip
+
+
+def _split(run: _Run):
+    """Part c's notebooks (``_lesson_split``), worked out once, when the plan is made: the fit
+    table runs the estimator, which part b's thread runs too once the parts are side by side."""
+    with run.lock:
+        if run.split is None:
+            run.split = _lesson_split(run.cfg, run.result)
+        return run.split
 
 
 def _lesson_split(cfg: GpuCheckConfig, result: GpuCheckResult):
@@ -1047,7 +1057,7 @@ def _plan_inputs(run: _Run, preflight, settings: dict[str, RunConfig]) -> PlanIn
     on_gpu = result.device.startswith("cuda")
     timed = [label for label, c in settings.items() if label in CAPSTONE]
     steps = max((max(1, c.warmup) + 2 + c.repeats for c in settings.values()), default=9)
-    tiny, full, _ = _lesson_split(cfg, result)
+    tiny, full, _ = _split(run)
     full = [lesson_number(p) for p in full]
     card_s = sum(setting_flops(c) for c in settings.values()) / (preflight.flops_per_s or math.inf)
     return PlanInputs(
