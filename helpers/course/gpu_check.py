@@ -879,14 +879,12 @@ def _part_c(run: _Run, work: Path, minutes: dict[str, float], ledger: Ledger | N
     )
     run.write()
 
-    def need(path: Path) -> float:  # the preflight's FLOP-based minutes, with margin
-        return 60 * (1.5 * minutes.get(lesson_number(path), 1.0) + 0.5)
-
     def need_bytes(path: Path) -> int:  # what the lesson has on the card at its peak
         fit = fits.get(lesson_number(path))
         return fit.need if fit is not None else SMALL_JOB_BYTES
 
-    run_notebooks(ordered, "full", work, clock, slots, done, cfg.device, need, need_bytes, ledger)
+    run_notebooks(ordered, "full", work, clock, slots, done, cfg.device, _full_pace(minutes),
+                  need_bytes, ledger)  # fmt: skip
     return again
 
 
@@ -894,16 +892,17 @@ def _part_c_alone(run: _Run, work: Path, minutes: dict[str, float], again: list[
     """The notebooks that failed beside others, again one at a time with the card to themselves
     (each at the scale it failed at)."""
     full = {p.name for p in _split(run)[1]}
-
-    def need(path: Path) -> float:  # as part c paces them
-        if path.name not in full:
-            return 30.0
-        return 60 * (1.5 * minutes.get(lesson_number(path), 1.0) + 0.5)
-
     for path in again:
-        scale = "full" if path.name in full else "tiny"
-        run_notebooks([path], scale, work, run.clock, 1, lambda row: _lesson_done(run, row),
-                      run.cfg.device, need)  # fmt: skip
+        at_full = path.name in full
+        run_notebooks([path], "full" if at_full else "tiny", work, run.clock, 1,
+                      lambda row: _lesson_done(run, row), run.cfg.device,
+                      _full_pace(minutes) if at_full else None)  # fmt: skip
+
+
+def _full_pace(minutes: dict[str, float]):
+    """A full-scale notebook's expected seconds, as part c paces them (one is not started with
+    fewer left): the preflight's FLOP-based minutes for its lesson, with a margin."""
+    return lambda path: 60 * (1.5 * minutes.get(lesson_number(path), 1.0) + 0.5)
 
 
 def _lesson_done(run: _Run, row: dict) -> None:
