@@ -74,9 +74,16 @@ def test_the_trainer_twin_trains_the_loops_configuration():
     assert run.memory["optimizer_state"] >= 8 * run.n_params  # AdamW's two moments, tracked
 
 
+def _accumulation_demo():
+    """Lesson 07's "Try it" experiment, from its cell."""
+    from tests.cells import cell_function
+
+    return cell_function("07_accelerate_loop.ipynb", "accumulation_demo")
+
+
 @pytest.mark.parametrize("k", [1, 4, 12])
 def test_accumulate_steps_once_per_window_with_the_big_batch_gradient(k):
-    demo = call_isolated(lesson.accumulation_demo, k).unwrap()
+    demo = call_isolated(_accumulation_demo(), k).unwrap()
     assert demo["optimizer_steps"] == 12 // k
     # fp32 sums of at most 48 samples' gradients: rounding is ~1e-7 relative; 1e-5 is far
     # from the factor k that a missing 1/k on the loss would give.
@@ -85,7 +92,7 @@ def test_accumulate_steps_once_per_window_with_the_big_batch_gradient(k):
 
 def test_accumulation_demo_refuses_a_window_that_does_not_divide_the_micro_batches():
     with pytest.raises(ValueError, match="must divide 12"):
-        lesson.accumulation_demo(5)
+        _accumulation_demo()(5)
 
 
 class _Writes:

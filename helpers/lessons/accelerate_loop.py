@@ -15,8 +15,7 @@ identical). ``train_loop`` is the lesson's measuring wrapper: it builds the part
 
 ``trainer_run`` trains the same configuration with the ``Trainer`` so the two can be
 compared: same model, data, micro-batch, accumulation, precision, optimizer and clipping.
-Both measure their steps with one ``StepMeter``. ``accumulation_demo`` is the lesson's
-"Try it": what ``accumulate()`` does with k micro-batches.
+Both measure their steps with one ``StepMeter``.
 """
 
 from __future__ import annotations
@@ -230,48 +229,6 @@ def train_loop(cfg: LoopConfig, loop=None) -> LoopResult:
     for _ in steps:  # runs the loop's end (accelerator.end_training())
         raise RuntimeError(f"the loop trained more than max_steps={cfg.max_steps} steps")
     return result
-
-
-def accumulation_demo(gradient_accumulation_steps: int, micro_batches: int = 12, seed: int = 0):
-    """What ``accumulate()`` does with ``micro_batches`` micro-batches of 4 samples: the optimizer
-    steps it lets through, and each window's accumulated gradient relative to the gradient of
-    the window's samples taken as one batch (1.0: the 1/k on each loss makes them equal).
-
-    A linear model in fp32 on the CPU, seconds; call it in a fresh process (Accelerate's state
-    is per process). Returns a dict: ``optimizer_steps``, ``ratio`` (the windows' gradient
-    norms relative to one batch's, furthest from 1), ``max_diff`` (largest element difference
-    relative to the largest element).
-    """
-    from accelerate import Accelerator  # optional: lessons 07 and 17 only
-
-    k = gradient_accumulation_steps
-    if micro_batches % k:
-        raise ValueError(f"gradient_accumulation_steps must divide {micro_batches}")
-    torch.manual_seed(seed)
-    accelerator = Accelerator(gradient_accumulation_steps=k, cpu=True)
-    model = torch.nn.Linear(8, 1)
-    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    x, y = torch.randn(micro_batches, 4, 8), torch.randn(micro_batches, 4, 1)
-    steps, ratio, max_diff = 0, 1.0, 0.0
-    for i in range(micro_batches):
-        with accelerator.accumulate(model):
-            loss = torch.nn.functional.mse_loss(model(x[i]), y[i])
-            accelerator.backward(loss)
-            if accelerator.sync_gradients:  # the window's last micro-batch: compare
-                window = slice(i + 1 - k, i + 1)
-                whole = torch.nn.functional.mse_loss(
-                    model(x[window].flatten(0, 1)), y[window].flatten(0, 1)
-                )
-                (ref,) = torch.autograd.grad(whole, model.weight)
-                got = model.weight.grad
-                r = float(got.norm() / ref.norm())
-                ratio = r if abs(r - 1) > abs(ratio - 1) else ratio
-                max_diff = max(max_diff, float((got - ref).abs().max() / ref.abs().max()))
-            before = model.weight.detach().clone()
-            optimizer.step()
-            steps += not torch.equal(before, model.weight)  # did the step change the weights?
-            optimizer.zero_grad()
-    return {"optimizer_steps": steps, "ratio": ratio, "max_diff": max_diff}
 
 
 def trainer_run(cfg: LoopConfig, arguments: Callable) -> LoopResult:
