@@ -19,11 +19,10 @@ from helpers.lessons.mixed_precision import (
     markov_runs,
     moving_average,
     range_figure,
-    scaler_trace,
 )
 from helpers.models import build_model, load_config
 from helpers.names import MiB
-from helpers.train import RunConfig, TrainResult, train_markov
+from helpers.train import RunConfig, TrainResult, train_markov, train_step
 from tests.cells import cell_function
 from tests.plot_checks import figure_problems
 
@@ -121,9 +120,15 @@ def test_markov_runs_same_seed_same_start():
     assert first.losses == second.losses  # same seed: same weights and batches, nothing carried
 
 
+def _scaler_trace():
+    """Section 3's GradScaler loop, from lesson 05's cell."""
+    return cell_function("05_mixed_precision.ipynb", "scaler_trace")
+
+
 def test_scaler_trace_skips_overflowing_steps():
     if precision_problem("fp16", CPU):
         pytest.skip(precision_problem("fp16", CPU))
+    scaler_trace = _scaler_trace()
     # Interval 1: back to 2^16 after every clean step, so every other step overflows.
     rows = scaler_trace(CPU, 6, growth_interval=1)
     assert [r["gradients finite"] for r in rows] == [False, True] * 3
@@ -134,6 +139,47 @@ def test_scaler_trace_skips_overflowing_steps():
     # Started low, nothing overflows until the scale has grown back to 2^16.
     rows = scaler_trace(CPU, 4, growth_interval=1, init_scale=2.0**14)
     assert [r["scale used"] for r in rows] == [2.0**14, 2.0**15, 2.0**16, 2.0**15]
+
+
+def _train_step_trace(steps: int, growth_interval: int) -> list[dict]:
+    """The cell's experiment through helpers.train.train_step, the fp16 step every
+    RunConfig(precision="fp16") run of the course takes."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(16, 16)
+    sgd = torch.optim.SGD(net.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=growth_interval)
+    inputs = torch.randn(8, 16)
+    rows, finite = [], []
+    for _ in range(steps):
+        before, used = net.weight.detach().clone(), scaler.get_scale()
+        train_step(
+            net, sgd, [inputs], precision="fp16", scaler=scaler,
+            loss_of=lambda model, batch: model(batch).float().sum() / len(batch),
+            on_gradients=lambda: finite.append(
+                all(torch.isfinite(p.grad).all().item() for p in net.parameters())
+            ),
+        )  # fmt: skip
+        rows.append(
+            {
+                "scale used": used,
+                "gradients finite": finite[-1],
+                "weights changed": not torch.equal(before, net.weight),
+                "scale after": scaler.get_scale(),
+            }
+        )
+    return rows
+
+
+@pytest.mark.parametrize("growth_interval", [1, 3])
+def test_the_cells_gradscaler_loop_is_the_step_the_runs_take(growth_interval):
+    """Section 3's loop (the cell) and train_step's fp16 branch, which sections 4 and 5
+    measure: the same scales, the same skipped steps, the same steps that changed weights."""
+    if precision_problem("fp16", CPU):
+        pytest.skip(precision_problem("fp16", CPU))
+    cell_rows = _scaler_trace()(CPU, 9, growth_interval)
+    step_rows = _train_step_trace(9, growth_interval)
+    assert cell_rows == step_rows
+    assert any(not r["gradients finite"] for r in cell_rows)  # the overflow path is compared
 
 
 def test_skipped_steps_counts_backoffs():

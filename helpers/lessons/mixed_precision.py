@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 
 from helpers.names import MiB
 from helpers.progress import progress
-from helpers.train import TrainResult, train_markov, train_step
+from helpers.train import TrainResult, train_markov
 
 # name: (exponent bits, explicit mantissa bits); one sign bit on top.
 FORMAT_BITS = {"fp32": (8, 23), "tf32": (8, 10), "fp16": (5, 10), "bf16": (8, 7)}
@@ -120,44 +120,6 @@ def markov_runs(cfgs: Sequence, steps: int, lr: float | None = None) -> list[Tra
     """``helpers.train.train_markov`` of each RunConfig in turn, in this process (isolate it);
     ``lr`` replaces the optimizers' learning rate."""
     return [train_markov(cfg, steps, lr) for cfg in progress(cfgs, "training runs")]
-
-
-def scaler_trace(
-    device: torch.device, steps: int, growth_interval: int, init_scale: float = 2.0**16
-) -> list[dict]:
-    """Section 3's GradScaler experiment as rows: a Linear whose bias gradient is exactly 1.
-
-    Each row: the scale a step used, whether its gradients were finite, whether the weights
-    changed, and the scale after it. Under fp16 autocast the scaled bias gradient overflows
-    once the scale reaches 2^16 (65536 > 65504, fp16's largest value).
-    """
-    torch.manual_seed(0)
-    net = torch.nn.Linear(16, 16).to(device)
-    sgd = torch.optim.SGD(net.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler(
-        device.type, init_scale=init_scale, growth_interval=growth_interval
-    )
-    inputs = torch.randn(8, 16).to(device)
-    rows, finite = [], []
-    for _ in range(steps):
-        before = net.weight.detach().clone()
-        used = scaler.get_scale()
-        train_step(
-            net, sgd, [inputs], precision="fp16", scaler=scaler,
-            loss_of=lambda model, batch: model(batch).float().sum() / len(batch),
-            on_gradients=lambda: finite.append(
-                all(torch.isfinite(p.grad).all().item() for p in net.parameters())
-            ),
-        )  # fmt: skip
-        rows.append(
-            {
-                "scale used": used,
-                "gradients finite": finite[-1],
-                "weights changed": not torch.equal(before, net.weight),
-                "scale after": scaler.get_scale(),
-            }
-        )
-    return rows
 
 
 def range_figure(names: Sequence[str], marks: Mapping[str, float] | None = None) -> Figure:
