@@ -140,3 +140,24 @@ def test_figures_have_no_drawing_problems():
         fig = acc.throughput_groups_figure(groups, title="Throughput on cpu, by effective batch")
         assert len(fig.axes) == 2
         assert figure_problems(fig) == []
+
+
+def test_the_cells_accumulation_step_is_the_step_the_runs_take():
+    """Section 1's loop (the cell) and helpers.train.train_step, which every
+    ``RunConfig(grad_accum=k)`` run of sections 4 and 5 takes: from the same weights, over the
+    same micro-batches, the same weights after two optimizer steps, bit for bit."""
+    from helpers.data import random_batch
+    from helpers.train import train_step
+
+    config = load_config("bert-tiny")
+    batch = random_batch("classify", 8, 16, config.vocab_size, seed=0)
+    weights = []
+    for step in (accumulation_step, train_step):
+        model = build_model(config, dropout=0.0)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(2):
+            step(model, sgd, split(batch, 2))  # 4 micro-batches of 2 per optimizer step
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
+    start = build_model(config, dropout=0.0)
+    assert not torch.equal(next(start.parameters()), weights[0][0])  # the steps moved it
