@@ -136,3 +136,65 @@ def test_the_muon_split_is_the_one_runconfig_names(name):
     muon, rest = _run("optimizers", "06_optimizers.ipynb")["muon_split"](model)
     assert {id(p) for p in muon} == hidden_matrices(model)
     assert len(muon) + len(rest) == len(list(model.parameters())) and muon and rest
+
+
+def _llama_and_batch():
+    """llama-tiny in fp32 without dropout, and a batch of 2 x 24 tokens with labels."""
+    from helpers.models import build_model, load_config
+
+    model = build_model(load_config("llama-tiny"), dropout=0.0)
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)
+    )
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def test_the_chunked_loss_is_the_one_runconfig_names():
+    """``RunConfig(loss_chunk=...)`` (``helpers.memory_savers.ChunkedCausalLMLoss``, which the
+    estimator reads) gives the loss and gradients of the lesson's and the recipe's
+    ``chunked_loss``: the same chunks, summed in the same order, so bit for bit."""
+    from helpers.memory_savers import ChunkedCausalLMLoss
+
+    chunked_loss = _run("chunked_loss", "16_more_memory.ipynb")["chunked_loss"]
+    model, batch = _llama_and_batch()
+    results = []
+    for loss_of in (
+        lambda: chunked_loss(model, batch, 16),
+        lambda: ChunkedCausalLMLoss(model, 16)(batch),
+    ):
+        loss = loss_of()
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    (cell_loss, cell_grads), (course_loss, course_grads) = results
+    assert torch.equal(cell_loss, course_loss)
+    assert all(torch.equal(a, b) for a, b in zip(cell_grads, course_grads, strict=True))
+    assert torch.allclose(cell_loss, model(**batch).loss)  # and it is the model's own loss
+
+
+def test_the_optimizer_in_backward_steps_as_the_one_runconfig_names():
+    """``RunConfig(optimizer_in_backward=True)`` (``helpers.memory_savers.OptimizerInBackward``)
+    and the lesson's and the recipe's class step each parameter from its hook alike: with the
+    same optimizer, the same weights after three steps, bit for bit, and no gradient left."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from helpers.memory_savers import OptimizerInBackward
+
+    cell_class = _run("optimizer_in_backward", "16_more_memory.ipynb")["OptimizerInBackward"]
+    models = []
+    for build in (
+        lambda m: cell_class(m, lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                             lambda opt: LambdaLR(opt, lambda step: 1.0)),
+        lambda m: OptimizerInBackward(list(m.parameters()),
+                                      lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
+    ):  # fmt: skip
+        model, batch = _llama_and_batch()
+        build(model)
+        for _ in range(3):
+            model(**batch).loss.backward()  # each parameter steps inside backward
+        assert all(p.grad is None for p in model.parameters())
+        models.append(model)
+    pairs = zip(models[0].parameters(), models[1].parameters(), strict=True)
+    assert all(torch.equal(p, q) for p, q in pairs)
+    start, _ = _llama_and_batch()
+    assert not torch.equal(start.lm_head.weight, models[0].lm_head.weight)  # they trained
