@@ -144,6 +144,7 @@ SAME_SETTING = {
     "mixed_precision": ((), {"precision": "bf16"}, {}),
     "pure_bf16": ((), {"precision": "bf16", "weight_dtype": "bf16", "bf16_update": "kahan"}, {}),
     "optimizers": ((), {"optimizer": "adafactor"}, {}),
+    "optimizers:adamw8bit": (("--optim", "adamw8bit"), {"optimizer": "adamw8bit"}, {}),
     "optimizers:lion": (("--optim", "lion"), {"optimizer": "lion"}, {}),
     "optimizers:lion8bit": (("--optim", "lion8bit"), {"optimizer": "lion8bit"}, {}),
     "optimizers:muon": (("--optim", "muon"), {"optimizer": "muon"}, {}),
@@ -212,7 +213,9 @@ def test_the_recipe_trains_in_the_bytes_its_lesson_measured(name, training_confi
     name = name.split(":")[0]
     if fields.get("bf16_update") == "kahan" and not importable("optimi"):
         pytest.skip(f"{name}.py: torch-optimi is not installed (pip install torch-optimi)")
-    if fields.get("optimizer", "").startswith("lion") and not importable("bitsandbytes"):
+    if fields.get("optimizer", "") in ("adamw8bit", "lion", "lion8bit") and not importable(
+        "bitsandbytes"
+    ):
         pytest.skip(f"{name}.py {' '.join(flags)}: bitsandbytes is not installed")
     recipe = runpy.run_path(str(RECIPES / f"{name}.py"), run_name="recipe")
     args = recipe["parse_args"](["--config", training_config, "--steps", "1", "--device", "cpu",
