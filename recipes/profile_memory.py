@@ -96,13 +96,14 @@ def train(args, model, optimizer, loader, device):
     model.train()
     # >>> memory profiling: step 1 warms the profiler up, step 2 is recorded (the schedule
     # counts prof.step() calls); every allocation and free is kept with its operator, shapes
-    # and Python stack. On CUDA the allocator also records its history, for the snapshot.
+    # and Python stack. On CUDA the allocator also records its history, for the snapshot
+    # (the last 100,000 events, with Python frames; stacks="all" adds C++ frames).
     import os
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
     prof = torch.profiler.profile(
         activities=activities,
         schedule=torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1),
