@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import inspect
+import json
 
 import pytest
 import torch
@@ -12,11 +15,43 @@ from helpers.lessons import deepspeed_zero as zero
 from helpers.memory import CategoryTracker, OffloadView
 from helpers.models import build_model, count_params, load_config
 from helpers.names import MiB
-from tests.cells import cell_function
+from tests.cells import NOTEBOOKS, cell_function
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 # The DeepSpeed config as lesson 08 writes it in a cell: the one every ZeRO run uses.
 zero_config = cell_function("08_deepspeed_zero.ipynb", "zero_config")
+# The training step through the engine as the lesson writes it: every ZeRO run takes it.
+engine_step = cell_function("08_deepspeed_zero.ipynb", "engine_step")
+
+
+def _cell_definition(notebook: str, name: str) -> ast.FunctionDef:
+    """The syntax tree of the function ``name`` as a code cell of ``notebook`` writes it."""
+    for cell in json.loads((NOTEBOOKS / notebook).read_text())["cells"]:
+        if cell["cell_type"] == "code" and f"def {name}(" in "".join(cell["source"]):
+            for node in ast.parse("".join(cell["source"])).body:
+                if isinstance(node, ast.FunctionDef) and node.name == name:
+                    return node
+    raise AssertionError(f"no code cell of {notebook} defines {name}()")
+
+
+def test_the_notebook_writes_out_the_modules_engine_step():
+    """The lesson's runs take the cell's engine_step; the preflight takes the module's. They
+    must be the same code (comments and formatting aside)."""
+    cell = _cell_definition("08_deepspeed_zero.ipynb", "engine_step")
+    module = ast.parse(inspect.getsource(zero.engine_step)).body[0]
+    assert ast.dump(cell) == ast.dump(module), "notebook 08's engine_step() drifted"
+
+
+def _step_that_says_it_ran(engine, batch):
+    raise RuntimeError("the step handed to measure_zero ran")
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed")
+def test_measure_zero_trains_with_the_step_it_is_given():
+    run = zero.ZeroConfig("llama-tiny", zero_config(2, 128, 2), batch_size=2, seq_len=16,
+                          warmup=1, repeats=1)  # fmt: skip
+    out = call_isolated(zero.measure_zero, run, _step_that_says_it_ran)
+    assert out.error is not None and "the step handed to measure_zero ran" in out.error, out
 
 
 def test_layer_counts_match_a_built_model():
@@ -140,7 +175,7 @@ def test_zero3_offload_in_one_process_matches_plain_training():
 
     ds_config = zero_config(3, 128, 2, offload_params=True)  # llama-tiny's width
     run = zero.ZeroConfig("llama-tiny", ds_config, batch_size=2, seq_len=16, warmup=1, repeats=1)
-    out = call_isolated(zero.measure_zero, run)
+    out = call_isolated(zero.measure_zero, run, engine_step)
     assert out.error is None, out.error
     rec = out.value
     n = rec.n_params
@@ -193,7 +228,10 @@ def test_zero_step_is_a_contender_timed_in_turns_with_a_plain_step():
 
     plain = RunConfig(model="llama-tiny", batch_size=2, seq_len=16)
     run = zero.ZeroConfig.from_run(plain, ds_config=zero_config(2, 128, 2))
-    contenders = {"plain": bench(trainee_step, plain), "ZeRO-2": bench(zero.zero_step, run)}
+    contenders = {
+        "plain": bench(trainee_step, plain),
+        "ZeRO-2": bench(zero.zero_step, run, engine_step),
+    }
     out = compare_benches(contenders, "cpu", rounds=2, max_rounds=2)
     assert not out.errors, out.errors
     assert out.rounds == 2 and all(t > 0 for times in out.times.values() for t in times)

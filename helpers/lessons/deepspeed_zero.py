@@ -302,13 +302,11 @@ def build_engine(run: ZeroConfig, device: torch.device) -> _ZeroSetup:
     return _ZeroSetup(engine, ds_optimizer, batch, ds_config, n_params)
 
 
-def engine_step(engine, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def engine_step(engine, batch):
     """One training step through DeepSpeed's engine; returns the loss.
 
-    The engine owns the step: ``engine.backward`` replaces ``loss.backward()`` and
-    ``engine.step`` the optimizer's step and ``zero_grad`` (its ZeRO optimizer clears the
-    gradients; ``DeepSpeedEngine.zero_grad()`` takes no ``set_to_none``, so the course's
-    ``helpers.train.train_step`` does not fit it).
+    The engine owns the step: engine.backward replaces loss.backward(), and engine.step the
+    optimizer's step and zero_grad (its ZeRO optimizer clears the gradients).
     """
     loss = engine(**batch).loss  # ZeRO-3: fetches each layer's weights before it runs
     engine.backward(loss)  # the gradients stream into DeepSpeed's host buffers
@@ -316,29 +314,37 @@ def engine_step(engine, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return loss
 
 
-def _engine_step(setup: _ZeroSetup, losses: list[float] | None = None):
-    """``engine_step`` on the run's batch as a callable; each loss goes to ``losses``."""
+# Lesson 08 writes engine_step in a cell and hands it to measure_zero and zero_step, which run
+# that cell's code; this copy is the preflight's (tests/test_deepspeed_zero.py keeps the two
+# the same code). DeepSpeedEngine.zero_grad() takes no set_to_none, so the course's
+# helpers.train.train_step does not fit the engine.
+
+
+def _engine_step(setup: _ZeroSetup, step_fn=engine_step, losses: list[float] | None = None):
+    """``step_fn(engine, batch)`` on the run's batch as a callable; each loss to ``losses``."""
     engine, batch = setup.engine, setup.batch
 
     def step() -> None:
         """Forward, backward and optimizer step, each through the engine."""
-        loss = engine_step(engine, batch)
+        loss = step_fn(engine, batch)
         if losses is not None:
             losses.append(float(loss.detach()))
 
     return step
 
 
-def zero_step(run: ZeroConfig):
-    """One DeepSpeed training step of ``run`` as a callable: a contender to time in a process
-    of its own (``helpers.isolate.bench``), next to ``helpers.train.trainee_step``."""
-    return _engine_step(build_engine(run, resolve(run.device)))
+def zero_step(run: ZeroConfig, step_fn=engine_step):
+    """One DeepSpeed training step of ``run`` (``step_fn``: lesson 08's ``engine_step``) as a
+    callable: a contender to time in a process of its own (``helpers.isolate.bench``), next to
+    ``helpers.train.trainee_step``."""
+    return _engine_step(build_engine(run, resolve(run.device)), step_fn)
 
 
-def measure_zero(run: ZeroConfig):
+def measure_zero(run: ZeroConfig, step_fn=engine_step):
     """Train ``run`` with DeepSpeed ZeRO + CPU offload in this process; one Record of it.
 
-    Call it in a fresh process. ``memory`` holds the device side by category (on a CPU the
+    ``step_fn(engine, batch)`` is the training step (lesson 08 writes ``engine_step`` in a
+    cell). Call it in a fresh process. ``memory`` holds the device side by category (on a CPU the
     tracker's ``OffloadView``, on a GPU the allocator's peak). ``extra`` holds the lesson's own
     measurements: ``offloaded``, the bytes DeepSpeed keeps in host buffers (and on which
     devices), ``resident``, what the model itself holds between steps, ``fetched``, the most
@@ -351,16 +357,16 @@ def measure_zero(run: ZeroConfig):
         cap = memory_budget(run.budget, device=device)
     try:
         with cap:
-            return _measure(run, device, t0)
+            return _measure(run, device, t0, step_fn)
     finally:
         _stop_deepspeed()
 
 
-def _measure(run: ZeroConfig, device: torch.device, t0: float):
+def _measure(run: ZeroConfig, device: torch.device, t0: float, step_fn):
     """``measure_zero``'s steps: warm up, one tracked step, the timed steps; their Record."""
     setup = build_engine(run, device)
     losses: list[float] = []
-    step = _engine_step(setup, losses)
+    step = _engine_step(setup, step_fn, losses)
     for _ in range(max(1, run.warmup)):  # creates the optimizer state and the buckets
         step()
     tracker = _tracked_step(step, setup, run, device)
