@@ -302,6 +302,10 @@ def build_engine(run: ZeroConfig, device: torch.device) -> _ZeroSetup:
     return _ZeroSetup(engine, ds_optimizer, batch, ds_config, n_params)
 
 
+# Lesson 08 writes engine_step in a cell and hands it to measure_zero and zero_step, which run
+# that cell's code; this copy is the preflight's (tests/test_deepspeed_zero.py keeps the two
+# the same code). DeepSpeedEngine.zero_grad() takes no set_to_none, so the course's
+# helpers.train.train_step does not fit the engine.
 def engine_step(engine, batch):
     """One training step through DeepSpeed's engine; returns the loss.
 
@@ -312,12 +316,6 @@ def engine_step(engine, batch):
     engine.backward(loss)  # the gradients stream into DeepSpeed's host buffers
     engine.step()  # AdamW on the host's fp32 copies; the updated weights go back
     return loss
-
-
-# Lesson 08 writes engine_step in a cell and hands it to measure_zero and zero_step, which run
-# that cell's code; this copy is the preflight's (tests/test_deepspeed_zero.py keeps the two
-# the same code). DeepSpeedEngine.zero_grad() takes no set_to_none, so the course's
-# helpers.train.train_step does not fit the engine.
 
 
 def _engine_step(setup: _ZeroSetup, step_fn=engine_step, losses: list[float] | None = None):
