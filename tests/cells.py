@@ -6,6 +6,7 @@ that needs the technique takes it from the notebook instead of keeping a copy of
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -28,3 +29,16 @@ def cell_function(notebook: str, name: str, **scope):
             exec(compile(source, f"{notebook}: {name}", "exec"), scope)
             return scope[name]
     raise LookupError(f"no code cell of {notebook} defines {name}")
+
+
+def cell_definition(notebook: str, name: str) -> ast.FunctionDef:
+    """The syntax tree of the function ``name`` as a code cell of ``notebook`` writes it (to
+    hold it to a module's copy: ``ast.dump`` leaves comments and formatting out)."""
+    for cell in json.loads((NOTEBOOKS / notebook).read_text())["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] != "code" or f"def {name}(" not in source:
+            continue  # (other cells may hold IPython magics, which are not Python)
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.FunctionDef) and node.name == name:
+                return node
+    raise AssertionError(f"no code cell of {notebook} defines {name}()")

@@ -13,28 +13,13 @@ import pytest
 
 from helpers.isolate import call_isolated
 from helpers.lessons import accelerate_loop as lesson
-
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "07_accelerate_loop.ipynb"
-
-
-def _notebook_function(name: str) -> ast.FunctionDef:
-    """The function ``name`` as defined in a code cell of lesson 07's notebook."""
-    cells = json.loads(NOTEBOOK.read_text())["cells"]
-    for cell in cells:
-        source = "".join(cell["source"])
-        if cell["cell_type"] != "code" or f"def {name}(" not in source:
-            continue  # (other cells may hold IPython magics, which are not Python)
-        tree = ast.parse(source)
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and node.name == name:
-                return node
-    raise AssertionError(f"no code cell of {NOTEBOOK.name} defines {name}()")
+from tests.cells import cell_definition
 
 
 def test_the_notebook_writes_out_the_module_loop():
     # The learner reads and runs the notebook's copy; the script and `accelerate launch` run
     # the module's. They must be the same code (comments and formatting aside).
-    cell = _notebook_function("accelerate_train")
+    cell = cell_definition("07_accelerate_loop.ipynb", "accelerate_train")
     module = ast.parse(inspect.getsource(lesson.accelerate_train)).body[0]
     assert ast.dump(cell) == ast.dump(module), "notebook 07's accelerate_train() drifted"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
-import json
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from helpers.lessons import deepspeed_zero as zero
 from helpers.memory import CategoryTracker, OffloadView
 from helpers.models import build_model, count_params, load_config
 from helpers.names import MiB
-from tests.cells import NOTEBOOKS, cell_function
+from tests.cells import cell_definition, cell_function
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 # The DeepSpeed config as lesson 08 writes it in a cell: the one every ZeRO run uses.
@@ -24,20 +23,10 @@ zero_config = cell_function("08_deepspeed_zero.ipynb", "zero_config")
 engine_step = cell_function("08_deepspeed_zero.ipynb", "engine_step")
 
 
-def _cell_definition(notebook: str, name: str) -> ast.FunctionDef:
-    """The syntax tree of the function ``name`` as a code cell of ``notebook`` writes it."""
-    for cell in json.loads((NOTEBOOKS / notebook).read_text())["cells"]:
-        if cell["cell_type"] == "code" and f"def {name}(" in "".join(cell["source"]):
-            for node in ast.parse("".join(cell["source"])).body:
-                if isinstance(node, ast.FunctionDef) and node.name == name:
-                    return node
-    raise AssertionError(f"no code cell of {notebook} defines {name}()")
-
-
 def test_the_notebook_writes_out_the_modules_engine_step():
     """The lesson's runs take the cell's engine_step; the preflight takes the module's. They
     must be the same code (comments and formatting aside)."""
-    cell = _cell_definition("08_deepspeed_zero.ipynb", "engine_step")
+    cell = cell_definition("08_deepspeed_zero.ipynb", "engine_step")
     module = ast.parse(inspect.getsource(zero.engine_step)).body[0]
     assert ast.dump(cell) == ast.dump(module), "notebook 08's engine_step() drifted"
 
